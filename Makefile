@@ -1,0 +1,34 @@
+# Two entry points on a fresh machine: `make run` (set up + default experiment), `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?= config/config.yaml
+MODEL ?= $(shell $(PY) -c "import yaml;print(yaml.safe_load(open('$(CONFIG)'))['model'])" 2>/dev/null || echo gemma3)
+
+.PHONY: setup run test lint report clean
+
+$(BIN)/segback: pyproject.toml
+	@if [ "$$(uname -s)" = Linux ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && apt-get install -y -qq libopenblas0-pthread; fi
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $@
+
+setup: $(BIN)/segback
+
+run: setup
+	$(BIN)/snakemake --cores 1 --configfile $(CONFIG) results/$(MODEL)_chunk_score.json
+
+report: setup
+	$(BIN)/snakemake --cores 1 --configfile $(CONFIG) results/$(MODEL)_chunk_score.json --report results/report.html
+
+test: setup
+	$(BIN)/ruff check segback tests
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check segback tests
+
+clean:
+	rm -rf results/* .snakemake
