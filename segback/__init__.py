@@ -1,0 +1,3 @@
+"""segback: long-context LoRA fine-tuning for MLX with segmented backward."""
+
+__version__ = "0.1.0"

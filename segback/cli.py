@@ -1,0 +1,55 @@
+"""`segback <command>`: one subcommand per workflow stage, each living in its own module.
+
+Every command module exposes `add_arguments(parser)` and `main(args)`; modules are imported
+lazily so `segback --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare-model": ("segback.models.prepare", "write an MLX checkpoint for a configured model"),
+    "build-data": ("segback.chunking.dataset", "build the chunking dataset from ShareGPT"),
+    "filter-data": ("segback.chunking.filter", "token-length filter with the model's tokenizer"),
+    "generate": ("segback.chunking.generate", "generate chunkings for a test set"),
+    "score": ("segback.chunking.scorer", "score predictions against gold chunks"),
+    "plan": ("segback.planner", "plan segments for a model, length and memory target"),
+    "train": ("segback.train", "train a LoRA adapter with segmented backward"),
+    "export": ("segback.export", "export an adapter (mlx-lm, PEFT, fused)"),
+    "bench": ("segback.bench", "benchmark mlx-lm full/checkpoint vs segmented backward"),
+    "summarize": ("segback.results", "assemble the experiment's result JSON"),
+    "plots": ("segback.plots", "plot loss and memory curves for the report"),
+}
+
+# Commands that run the model and so benefit from the OpenBLAS preload on Linux CPU.
+COMPUTE_COMMANDS = {"filter-data", "generate", "plan", "train", "export", "bench"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="segback", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        if name in sys.argv[1:2]:  # only import the module whose arguments are needed
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMPUTE_COMMANDS:
+        from segback.blas import ensure_openblas
+
+        ensure_openblas()
+    sys.argv = [sys.argv[0], *argv]
+    args = build_parser().parse_args(argv)
+    result = importlib.import_module(args._module).main(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Model sources (random geometries, local checkpoints, Hub, embedded GGUF) and family adapters."""

@@ -1,0 +1,119 @@
+"""Named random-init model geometries built from mlx-lm's own model classes.
+
+Tests use the tiny ones (seconds on CPU); memory benchmarks use the real e4b geometry with random
+weights, which needs no download.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.utils import _get_classes
+
+_E4B_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 7
+
+GEOMETRIES: dict[str, dict] = {
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+        tie_word_embeddings=False,
+    ),
+    "tiny-qwen3": dict(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=256, rope_theta=10000.0, max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+    "tiny-qwen2": dict(
+        model_type="qwen2", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=256,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    ),
+    "tiny-mistral": dict(
+        model_type="mistral", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+        tie_word_embeddings=False,
+    ),
+    "tiny-minicpm": dict(
+        model_type="minicpm", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+        dim_model_base=32, scale_depth=1.4, scale_emb=12.0, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    ),
+    "tiny-gemma3": dict(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
+        vocab_size=256, query_pre_attn_scalar=32, sliding_window=8, sliding_window_pattern=3,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    ),
+    # Same structure as e4b: 5 sliding + 1 full, KV sharing with a sliding and a full donor,
+    # per-layer inputs, logit softcap; small enough for CPU tests.
+    "tiny-e4b": dict(
+        model_type="gemma4_text", hidden_size=64, num_hidden_layers=12, intermediate_size=128,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+        rms_norm_eps=1e-6, vocab_size=256, vocab_size_per_layer_input=256,
+        num_kv_shared_layers=4, hidden_size_per_layer_input=8, sliding_window=16,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
+        final_logit_softcapping=30.0, tie_word_embeddings=True,
+    ),
+    # Gemma-4 e4b (mlx-community/gemma-4-e4b-it-4bit) text geometry, for memory benchmarks.
+    "e4b": dict(
+        model_type="gemma4_text", hidden_size=2560, num_hidden_layers=42,
+        intermediate_size=10240, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        global_head_dim=512, rms_norm_eps=1e-6, vocab_size=262144,
+        vocab_size_per_layer_input=262144, num_kv_shared_layers=18,
+        hidden_size_per_layer_input=256, sliding_window=512, layer_types=_E4B_TYPES,
+        final_logit_softcapping=30.0, tie_word_embeddings=True,
+    ),
+    # The dense model of DESIGN.md's CPU measurements (16-layer llama, hidden 512, vocab 8192).
+    "dense-512": dict(
+        model_type="llama", hidden_size=512, num_hidden_layers=16, intermediate_size=1536,
+        num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=8192,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def geometry_config(name: str, **overrides) -> dict:
+    """Return a copy of a named geometry's config, with overrides applied."""
+    if name not in GEOMETRIES:
+        raise ValueError(f"unknown geometry {name!r}; known: {', '.join(sorted(GEOMETRIES))}")
+    cfg = copy.deepcopy(GEOMETRIES[name])
+    cfg.update(overrides)
+    return cfg
+
+
+def wrap_multimodal(cfg: dict) -> dict:
+    """Wrap a gemma4_text config in the multimodal `gemma4` model type (as e4b ships)."""
+    text = dict(cfg)
+    return {"model_type": "gemma4", "vocab_size": text["vocab_size"], "text_config": text}
+
+
+def build_model(
+    config: dict | str,
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    quantize_bits: int | None = None,
+    group_size: int = 64,
+) -> nn.Module:
+    """Instantiate an mlx-lm model from a config dict (or geometry name) with random weights."""
+    cfg = geometry_config(config) if isinstance(config, str) else copy.deepcopy(config)
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(cfg))
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating)
+                          else p, model.parameters()))
+    if quantize_bits:
+        nn.quantize(model, group_size=group_size, bits=quantize_bits,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % group_size == 0)
+    mx.eval(model.parameters())
+    return model
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Total bytes of a model's parameters (quantized weights counted as stored)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
