@@ -1,0 +1,195 @@
+"""Segmented backward: exact LoRA loss and gradients with one segment's activations alive.
+
+1. Forward over layer ranges, keeping only the evaluated (hence detached) hidden state at each
+   segment's input, and the K/V of Gemma-4 donor layers that a later segment reads.
+2. Loss head on the final hidden state, chunked over the counted tokens only: loss, ntoks, dh.
+3. Reverse over segments: `mx.vjp` of each segment's forward, fed the cotangent of its output
+   boundary (and of the donor K/V it produced, summed over every sharer segment), returning the
+   cotangent of its input boundary and its parameter gradients.
+
+This is reverse-mode AD done in pieces, so grads equal one big backward up to float summation
+order. Recompute costs one extra forward in total, independent of the number of segments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+
+from segback.engine.head import DEFAULT_MAX_ELEMENTS, head_vjp
+from segback.models.stack import Stack, get_stack
+
+Segments = Sequence[tuple[int, int]]
+
+
+def resolve_segments(segments: Any, num_layers: int) -> list[tuple[int, int]]:
+    """Accept (start, stop) ranges, a plan (dict/object with `segments`) or layers-per-segment."""
+    if segments is None:
+        segments = num_layers
+    if isinstance(segments, dict):
+        segments = segments["segments"]
+    elif hasattr(segments, "segments"):
+        segments = segments.segments
+    if isinstance(segments, int):
+        if segments < 1:
+            raise ValueError("layers per segment must be >= 1")
+        segments = [(s, min(s + segments, num_layers)) for s in range(0, num_layers, segments)]
+    out = [(int(a), int(b)) for a, b in segments]
+    pos = 0
+    for a, b in out:
+        if a != pos or b <= a:
+            raise ValueError(
+                f"segments must cover layers 0..{num_layers} in order without gaps; got {out}"
+            )
+        pos = b
+    if pos != num_layers:
+        raise ValueError(f"segments end at layer {pos} but the model has {num_layers} layers")
+    return out
+
+
+def _split_trainable(model: nn.Module, stack: Stack):
+    """Flat trainable leaves: per layer {key: array}, and those outside the layers."""
+    flat = dict(tree_flatten(model.trainable_parameters()))
+    per_layer: list[dict[str, mx.array]] = [{} for _ in stack.layers]
+    outer: dict[str, mx.array] = {}
+    prefix = stack.layers_path + "."
+    for k, v in flat.items():
+        if k.startswith(prefix):
+            i, rest = k[len(prefix):].split(".", 1)
+            per_layer[int(i)][rest] = v
+        else:
+            outer[k] = v
+    return flat, per_layer, outer
+
+
+def _binder(module: nn.Module, keys: list[str]):
+    def bind(leaves):
+        module.update(tree_unflatten(list(zip(keys, leaves))), strict=False)
+    return bind
+
+
+def value_and_grad(
+    model: nn.Module,
+    batch: mx.array,
+    lengths: mx.array,
+    segments: Any = None,
+    head_max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> tuple[tuple[mx.array, mx.array], dict]:
+    """Drop-in for `nn.value_and_grad(model, default_loss)(model, batch, lengths)`.
+
+    Returns ((loss, ntoks), grads) with grads shaped like `model.trainable_parameters()`.
+    """
+    stack = get_stack(model)
+    segs = resolve_segments(segments, stack.num_layers)
+    flat, per_layer, outer = _split_trainable(model, stack)
+    lengths_np = np.array(lengths).reshape(-1, 2)
+    inputs = batch[:, :-1]
+    need_input_grad = bool(outer)  # embedding-side params are trainable: thread dh back
+
+    # Dropout in LoRA layers draws random masks: replay the same stream in each recompute.
+    seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
+
+    outer_keys = list(outer)
+    bind_outer = _binder(model, outer_keys)
+    outer_vals = [outer[k] for k in outer_keys]
+
+    # 1. Forward, keeping evaluated boundaries (eval detaches them from the graph).
+    h, per_layer_in = stack.embed(inputs)
+    masks = stack.masks(h)
+    mx.eval(h, per_layer_in, [m for m in masks.values() if isinstance(m, mx.array)])
+    kv_saved: dict[int, tuple[mx.array, mx.array]] = {}
+    readers = [stack.donors_read_by(a, b) for a, b in segs]
+    needed_later = set().union(*readers) if readers else set()
+    produced = [tuple(d for d in range(a, b) if d in needed_later) for a, b in segs]
+    boundaries = []
+    for k, (a, b) in enumerate(segs):
+        boundaries.append(h)
+        mx.random.seed(seed + k)
+        h, kv = stack.run(a, b, h, masks, per_layer_in,
+                          {d: kv_saved[d] for d in readers[k]}, produced[k])
+        kv = {d: (mx.contiguous(x), mx.contiguous(y)) for d, (x, y) in kv.items()}
+        mx.eval(h, kv)
+        kv_saved.update(kv)
+
+    # 2. Loss head on the final hidden state.
+    loss, ntoks, dh, d_outer = head_vjp(
+        stack.head, h, batch, lengths_np, getattr(model.args, "vocab_size", 1 << 15),
+        outer_vals, bind_outer,
+        head_max_elements,
+    )
+    del h
+    bind_outer(outer_vals)
+    grads_flat: dict[str, mx.array] = dict(zip(outer_keys, d_outer))
+    d_kv = {d: [mx.zeros_like(kv_saved[d][0]), mx.zeros_like(kv_saved[d][1])]
+            for d in needed_later}
+    d_pli = mx.zeros_like(per_layer_in) if need_input_grad and per_layer_in is not None else None
+
+    # 3. Reverse over segments.
+    for k in reversed(range(len(segs))):
+        a, b = segs[k]
+        keys = [(i, key) for i in range(a, b) for key in per_layer[i]]
+        params = [per_layer[i][key] for i, key in keys]
+        reads, makes = readers[k], produced[k]
+        with_h = k > 0 or need_input_grad
+        with_pli = d_pli is not None
+
+        def seg_fn(*primals, a=a, b=b, k=k, keys=keys, reads=reads, makes=makes,
+                   with_h=with_h, with_pli=with_pli):
+            it = iter(primals)
+            h_in = next(it) if with_h else boundaries[k]
+            pli = next(it) if with_pli else per_layer_in
+            kv_in = {d: (next(it), next(it)) for d in reads}
+            leaves = list(it)
+            for i in range(a, b):
+                own = [(key, v) for (j, key), v in zip(keys, leaves) if j == i]
+                if own:
+                    stack.layers[i].update(tree_unflatten(own), strict=False)
+            mx.random.seed(seed + k)
+            h_out, kv_out = stack.run(a, b, h_in, masks, pli, kv_in, makes)
+            return [h_out, *[t for d in makes for t in kv_out[d]]]
+
+        primals = ([boundaries[k]] if with_h else []) + ([per_layer_in] if with_pli else [])
+        for d in reads:
+            primals += list(kv_saved[d])
+        primals += params
+        cotangents = [dh, *[t for d in makes for t in d_kv[d]]]
+        _, vjps = mx.vjp(seg_fn, primals, cotangents)
+        it = iter(vjps)
+        if with_h:
+            dh = next(it)
+        if with_pli:
+            d_pli = d_pli + next(it)
+        for d in reads:
+            d_kv[d][0] = d_kv[d][0] + next(it)
+            d_kv[d][1] = d_kv[d][1] + next(it)
+        for (i, key), g in zip(keys, it):
+            grads_flat[f"{stack.layers_path}.{i}.{key}"] = g
+        for i in range(a, b):  # put the untraced leaves back
+            if per_layer[i]:
+                stack.layers[i].update(tree_unflatten(list(per_layer[i].items())), strict=False)
+        boundaries[k] = None
+        for d in makes:
+            d_kv.pop(d)
+        mx.eval(dh, d_pli, d_kv, [grads_flat[f"{stack.layers_path}.{i}.{key}"]
+                                  for i, key in keys])
+
+    if need_input_grad:  # embedding-side parameters
+        def embed_fn(*leaves):
+            bind_outer(leaves)
+            h0, pli = stack.embed(inputs)
+            return [h0] if pli is None else [h0, pli]
+
+        cot = [dh] if per_layer_in is None else [dh, d_pli]
+        _, d_emb = mx.vjp(embed_fn, outer_vals, cot)
+        for key, g in zip(outer_keys, d_emb):
+            grads_flat[key] = grads_flat[key] + g
+        bind_outer(outer_vals)
+    mx.random.seed(seed)
+
+    grads = tree_map_with_path(lambda path, _: grads_flat[path], model.trainable_parameters())
+    return (loss, ntoks), grads
+

@@ -1,0 +1,170 @@
+"""Per-family layer-stack adapters: run a *range* of an mlx-lm model's layers, and its head.
+
+The engine never forks attention or MLP code: it calls mlx-lm's own decoder layers. An adapter
+only knows what the model's `__call__` does around them — the embedding (and its scale), masks
+per layer type, Gemma-4 per-layer inputs and KV sharing — and the head (final norm, LM head or
+tied embedding, logit softcap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
+SUPPORTED_TYPES = (*DENSE_TYPES, "gemma3_text", "gemma4_text", "gemma4")
+
+# A layer's mask: mlx-lm's own value ("causal", None or a boolean array), built once per step.
+Mask = Any
+
+
+@dataclass
+class Stack:
+    """What the engine needs to run a model segment by segment."""
+
+    model_type: str
+    layers: list[nn.Module]
+    layers_path: str  # key prefix of the layers in model.parameters(), e.g. "model.layers"
+    embed: Callable[[mx.array], tuple[mx.array, mx.array | None]]  # ids -> (h0, per-layer in)
+    head: Callable[[mx.array], mx.array]  # hidden rows (pre final norm) -> logits
+    layer_types: list[str]  # "full_attention" / "sliding_attention" per layer
+    window: int | None = None
+    kv_source: list[int] = field(default_factory=list)  # layer -> layer whose K/V it reads
+    call_layer: Callable[..., tuple[mx.array, Any]] | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def masks(self, h: mx.array) -> dict[str, Mask]:
+        """One mask per attention type, exactly as mlx-lm builds them for a cache-less call."""
+        out: dict[str, Mask] = {"full_attention": create_attention_mask(h, None)}
+        if "sliding_attention" in self.layer_types:
+            out["sliding_attention"] = create_attention_mask(h, None, window_size=self.window)
+        return out
+
+    def donors_read_by(self, start: int, stop: int) -> list[int]:
+        """Donor layers before `start` whose K/V layers in [start, stop) read."""
+        return sorted({self.kv_source[i] for i in range(start, stop) if self.kv_source[i] < start})
+
+    def run(
+        self,
+        start: int,
+        stop: int,
+        h: mx.array,
+        masks: dict[str, Mask],
+        per_layer: mx.array | None = None,
+        kv_in: dict[int, tuple[mx.array, mx.array]] | None = None,
+        kv_out: tuple[int, ...] = (),
+    ) -> tuple[mx.array, dict[int, tuple[mx.array, mx.array]]]:
+        """Run layers [start, stop); return the hidden state and the K/V of donors in `kv_out`."""
+        kvs: dict[int, tuple[mx.array, mx.array]] = dict(kv_in or {})
+        for i in range(start, stop):
+            mask = masks[self.layer_types[i]]
+            if self.call_layer is None:
+                h = self.layers[i](h, mask, None)
+                continue
+            pli = None if per_layer is None else per_layer[:, :, i, :]
+            src = self.kv_source[i]
+            shared = kvs.get(src) if src != i else None
+            h, kv = self.call_layer(self.layers[i], h, mask, pli, shared)
+            if src == i and kv is not None:
+                kvs[i] = kv
+        return h, {d: kvs[d] for d in kv_out}
+
+
+def _text_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The causal LM inside a wrapper (gemma4 keeps it under `language_model`)."""
+    if getattr(model, "model_type", None) == "gemma4":
+        return model.language_model, "language_model."
+    return model, ""
+
+
+def _lm_head(outer: nn.Module, inner: nn.Module, tied: bool) -> Callable[[mx.array], mx.array]:
+    if tied or not hasattr(outer, "lm_head"):
+        return inner.embed_tokens.as_linear
+    return outer.lm_head
+
+
+def get_stack(model: nn.Module) -> Stack:
+    """Build the stack adapter for a supported mlx-lm model, or say which types are supported."""
+    outer, prefix = _text_model(model)
+    model_type = getattr(outer, "model_type", None) or getattr(outer.args, "model_type", None)
+    if model_type not in SUPPORTED_TYPES:
+        raise ValueError(
+            f"segback does not support model type {model_type!r}; supported: "
+            f"{', '.join(SUPPORTED_TYPES)}"
+        )
+    inner, args = outer.model, outer.args
+    layers = list(inner.layers)
+    n = len(layers)
+    path = f"{prefix}model.layers"
+
+    if model_type in DENSE_TYPES:
+        types = list(getattr(args, "layer_types", None) or ["full_attention"] * n)
+        scale = getattr(args, "scale_emb", None) if model_type == "minicpm" else None
+        tied = bool(getattr(args, "tie_word_embeddings", False))
+
+        def embed(ids):
+            h = inner.embed_tokens(ids)
+            return (h * scale if scale is not None else h), None
+
+        if model_type == "minicpm":
+            def head(x):
+                x = inner.norm(x)
+                if tied:
+                    return x @ inner.embed_tokens.weight.T
+                return outer.lm_head(x / (args.hidden_size / args.dim_model_base))
+        else:
+            lm = _lm_head(outer, inner, tied)
+
+            def head(x):
+                return lm(inner.norm(x))
+
+        return Stack(model_type, layers, path, embed, head, types,
+                     window=getattr(args, "sliding_window", None), kv_source=list(range(n)))
+
+    if model_type == "gemma3_text":
+        pattern = args.sliding_window_pattern
+        types = ["full_attention" if i % pattern == pattern - 1 else "sliding_attention"
+                 for i in range(n)]
+        tied = getattr(outer, "tie_word_embeddings", False) or not hasattr(outer, "lm_head")
+        lm = _lm_head(outer, inner, tied)
+
+        def embed(ids):
+            h = inner.embed_tokens(ids)
+            return h * mx.array(args.hidden_size**0.5, mx.bfloat16).astype(h.dtype), None
+
+        return Stack(model_type, layers, path, embed, lambda x: lm(inner.norm(x)), types,
+                     window=args.sliding_window, kv_source=list(range(n)))
+
+    # gemma4_text (and the gemma4 wrapper): per-layer inputs, KV sharing, logit softcap.
+    from mlx_lm.models.gemma4_text import logit_softcap
+
+    lm = _lm_head(outer, inner, outer.tie_word_embeddings)
+    cap = outer.final_logit_softcapping
+
+    def embed(ids):
+        emb = inner.embed_tokens(ids)
+        h = emb * inner.embed_scale
+        pli = None
+        if inner.hidden_size_per_layer_input:
+            pli = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids, emb))
+        return h, pli
+
+    def head(x):
+        out = lm(inner.norm(x))
+        return logit_softcap(cap, out) if cap is not None else out
+
+    def call_layer(layer, h, mask, pli, shared):
+        h, kv, _ = layer(h, mask, None, per_layer_input=pli, shared_kv=shared,
+                         offset=0 if shared is not None else None)
+        return h, kv
+
+    return Stack(model_type, layers, path, embed, head, list(args.layer_types),
+                 window=args.sliding_window, kv_source=list(inner.previous_kvs),
+                 call_layer=call_layer)

@@ -1,0 +1,117 @@
+"""Exactness of segmented backward against mlx-lm's own `nn.value_and_grad(model, default_loss)`."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.tuner.trainer import default_loss
+from mlx_lm.tuner.utils import linear_to_lora_layers
+
+from segback.engine import resolve_segments, value_and_grad
+from segback.models.geometry import build_model, geometry_config, wrap_multimodal
+from segback.models.stack import get_stack
+
+TOL = 1e-5
+
+
+def lora_model(config, quantize_bits=None, rank=4, num_layers=None):
+    model = build_model(config, quantize_bits=quantize_bits, group_size=32)
+    model.freeze()
+    n = len(model.layers)
+    linear_to_lora_layers(model, num_layers or n, {"rank": rank, "scale": 2.0, "dropout": 0.0})
+    mx.random.seed(1)  # LoRA B starts at zero in mlx-lm: make every factor non-zero
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05,
+                          model.trainable_parameters()))
+    return model
+
+
+def batch_of(vocab, B=2, T=40, seed=3):
+    mx.random.seed(seed)
+    batch = mx.random.randint(0, vocab, (B, T))
+    lengths = mx.array([[5, T - 1], [3, T - 15]][:B])  # different prompt and total lengths
+    return batch, lengths
+
+
+def assert_matches(model, segments, batch, lengths):
+    (l0, n0), g0 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    (l1, n1), g1 = value_and_grad(model, batch, lengths, segments)
+    assert int(n1) == int(n0)
+    assert abs(float(l1) - float(l0)) <= TOL * abs(float(l0))
+    f0, f1 = dict(tree_flatten(g0)), dict(tree_flatten(g1))
+    assert f0.keys() == f1.keys() and len(f0) > 0
+    for k in f0:
+        ref = float(mx.linalg.norm(f0[k]))
+        assert ref > 0, k
+        err = float(mx.linalg.norm(f1[k] - f0[k])) / ref
+        assert err <= TOL, (k, err)
+    # the tree structure itself, including empty sub-trees of frozen layers
+    assert str(tree_map(lambda x: 0, g1)) == str(tree_map(lambda x: 0, model.trainable_parameters()))
+
+
+DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-minicpm"]
+
+
+@pytest.mark.parametrize("name", DENSE + ["tiny-gemma3", "tiny-e4b"])
+@pytest.mark.parametrize("cut", ["one", "per-layer", "uneven"])
+def test_matches_mlx_lm(name, cut):
+    model = lora_model(name)
+    n = len(model.layers)
+    segments = {"one": [(0, n)], "per-layer": 1, "uneven": [(0, 1), (1, n - 1), (n - 1, n)]}[cut]
+    assert_matches(model, segments, *batch_of(model.args.vocab_size))
+
+
+@pytest.mark.parametrize("segments", [
+    [(0, 8), (8, 12)],                        # every sharer after both donors' segment
+    [(0, 6), (6, 7), (7, 9), (9, 11), (11, 12)],  # donor 7 and its sharers split apart
+    [(0, 5), (5, 6), (6, 8), (8, 10), (10, 12)],  # full donor 5 alone; sharers in two segments
+])
+def test_gemma4_kv_sharing_cuts(segments):
+    model = lora_model("tiny-e4b")
+    stack = get_stack(model)
+    assert stack.kv_source[8:] == [7, 7, 7, 5]  # sliding sharers read 7, full sharer reads 5
+    assert_matches(model, segments, *batch_of(model.args.vocab_size))
+
+
+def test_gemma4_multimodal_wrapper():
+    model = lora_model(wrap_multimodal(geometry_config("tiny-e4b")))
+    assert_matches(model, [(0, 3), (3, 9), (9, 12)], *batch_of(256))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-e4b"])
+def test_quantized_base(name):
+    model = lora_model(name, quantize_bits=4)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    assert_matches(model, 2, *batch_of(model.args.vocab_size))
+
+
+def test_partial_lora_layers_and_trainable_embedding():
+    model = lora_model("tiny-llama", num_layers=2)
+    model.model.embed_tokens.unfreeze()  # outer parameters: dh must be threaded to the embedding
+    model.model.norm.unfreeze()
+    assert_matches(model, 1, *batch_of(256))
+
+
+def test_head_chunking_bounds_logits():
+    model = lora_model("tiny-qwen3")
+    batch, lengths = batch_of(256)
+    (l0, _), g0 = value_and_grad(model, batch, lengths, 2)
+    (l1, _), g1 = value_and_grad(model, batch, lengths, 2, head_max_elements=256 * 7)
+    assert abs(float(l0) - float(l1)) <= TOL * abs(float(l0))
+    for a, b in zip(tree_flatten(g0), tree_flatten(g1)):
+        assert float(mx.linalg.norm(a[1] - b[1])) <= TOL * float(mx.linalg.norm(a[1]))
+
+
+def test_segments_validation():
+    assert resolve_segments(2, 5) == [(0, 2), (2, 4), (4, 5)]
+    assert resolve_segments({"segments": [[0, 3], [3, 5]]}, 5) == [(0, 3), (3, 5)]
+    with pytest.raises(ValueError, match="cover layers"):
+        resolve_segments([(0, 2), (3, 5)], 5)
+    with pytest.raises(ValueError, match="has 5 layers"):
+        resolve_segments([(0, 2)], 5)
+
+
+def test_unsupported_model_type_is_named():
+    model = build_model(dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=2, n_ctx=64,
+                             n_positions=64, vocab_size=64, layer_norm_epsilon=1e-5))
+    with pytest.raises(ValueError, match="supported: llama"):
+        value_and_grad(model, mx.zeros((1, 4), mx.int32), mx.array([[0, 3]]), 1)
