@@ -6,7 +6,8 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

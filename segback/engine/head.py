@@ -7,7 +7,7 @@ through (final norm, LM head, softcap, cross-entropy) in chunks of at most `max_
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn

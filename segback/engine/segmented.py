@@ -13,7 +13,8 @@ order. Recompute costs one extra forward in total, independent of the number of 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn

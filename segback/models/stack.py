@@ -9,7 +9,8 @@ tied embedding, logit softcap).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
