@@ -1,0 +1,88 @@
+"""One entry point for every stage: a checkpoint directory or a named random geometry.
+
+On CPU, floating parameters are cast to float32: bfloat16 matmuls run ~35x slower there
+(no BLAS path), and checkpoints are often stored in bfloat16 to halve their size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from segback.models.geometry import GEOMETRIES, build_model
+
+GEOMETRY_PREFIX = "geometry:"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on CPU; None (keep the stored dtype) on GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def cast_floating(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """Cast every floating parameter (base, quantization scales, LoRA) to `dtype` in place."""
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating)
+                          else p, model.parameters()))
+    return model
+
+
+def _as_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:
+    if dtype is None or isinstance(dtype, mx.Dtype):
+        return dtype
+    return getattr(mx, dtype)
+
+
+def _load_dir(path: Path, adapter_path: str | None) -> tuple[nn.Module, object | None]:
+    """mlx_lm.load, except that a checkpoint without tokenizer files loads with tokenizer None."""
+    import mlx_lm
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load_model
+
+    if any((path / f).exists() for f in TOKENIZER_FILES):
+        return mlx_lm.load(str(path), adapter_path=adapter_path)
+    model, _ = load_model(path)
+    if adapter_path is not None:
+        model = load_adapters(model, adapter_path)
+        model.eval()
+    return model, None
+
+
+def load(path_or_geometry: str | Path, adapter_path: str | None = None,
+         dtype: mx.Dtype | str | None = None) -> tuple[nn.Module, object | None]:
+    """Return (model, tokenizer): mlx-lm's loader for a directory, a random model for a geometry.
+
+    A geometry (`tiny-e4b` or `geometry:tiny-e4b`) has no tokenizer, so None is returned for it.
+    A directory must hold config.json; the prefix forces the geometry reading of a name.
+    """
+    spec = str(path_or_geometry)
+    dtype = _as_dtype(dtype) or default_dtype()
+    path = Path(spec)
+    if not spec.startswith(GEOMETRY_PREFIX) and (path / "config.json").is_file():
+        model, tokenizer = _load_dir(path, adapter_path)
+        if dtype is not None:
+            cast_floating(model, dtype)
+            mx.eval(model.parameters())
+        return model, tokenizer
+
+    name = spec.removeprefix(GEOMETRY_PREFIX)
+    if name in GEOMETRIES:
+        model = build_model(name, dtype=dtype or mx.float32)
+        if adapter_path is not None:
+            from mlx_lm.tuner.utils import load_adapters
+
+            model = load_adapters(model, adapter_path)
+            cast_floating(model, dtype or mx.float32)
+            mx.eval(model.parameters())
+        return model, None
+
+    reason = (f"{spec!r} is a directory without config.json" if path.is_dir()
+              else f"{spec!r} is neither a checkpoint directory nor a known geometry")
+    raise FileNotFoundError(
+        f"cannot load model: {reason}. Pass a directory containing config.json (e.g. from "
+        f"`segback prepare-model`) or a geometry name ({', '.join(sorted(GEOMETRIES))}), "
+        f"optionally written as `geometry:NAME`."
+    )

