@@ -116,3 +116,11 @@ def test_unsupported_model_type_is_named():
                              n_positions=64, vocab_size=64, layer_norm_epsilon=1e-5))
     with pytest.raises(ValueError, match="supported: llama"):
         value_and_grad(model, mx.zeros((1, 4), mx.int32), mx.array([[0, 3]]), 1)
+
+
+@pytest.mark.parametrize("name,num_layers", [("tiny-llama", 2), ("tiny-e4b", 5), ("tiny-e4b", 3)])
+def test_lora_on_top_layers_only(name, num_layers):
+    """mlx-lm's --num-layers: frozen bottom segments need no backward at all."""
+    model = lora_model(name, num_layers=num_layers)
+    assert_matches(model, 1, *batch_of(model.args.vocab_size))
+    assert_matches(model, 4, *batch_of(model.args.vocab_size))

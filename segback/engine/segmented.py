@@ -135,15 +135,21 @@ def value_and_grad(
         keys = [(i, key) for i in range(a, b) for key in per_layer[i]]
         params = [per_layer[i][key] for i, key in keys]
         reads, makes = readers[k], produced[k]
-        with_h = k > 0 or need_input_grad
+        # Gradient flows below this segment only if something below is trainable.
+        upstream = need_input_grad or any(per_layer[i] for i in range(a))
+        if not upstream and not params:
+            break  # frozen from here down: no backward needed (mlx-lm's --num-layers case)
+        with_h = upstream
         with_pli = d_pli is not None
+        const_kv = {} if upstream else {d: kv_saved[d] for d in reads}
+        reads = reads if upstream else []
 
         def seg_fn(*primals, a=a, b=b, k=k, keys=keys, reads=reads, makes=makes,
-                   with_h=with_h, with_pli=with_pli):
+                   with_h=with_h, with_pli=with_pli, const_kv=const_kv):
             it = iter(primals)
             h_in = next(it) if with_h else boundaries[k]
             pli = next(it) if with_pli else per_layer_in
-            kv_in = {d: (next(it), next(it)) for d in reads}
+            kv_in = {d: (next(it), next(it)) for d in reads} | const_kv
             leaves = list(it)
             for i in range(a, b):
                 own = [(key, v) for (j, key), v in zip(keys, leaves) if j == i]
