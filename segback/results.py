@@ -1,0 +1,299 @@
+"""`segback summarize`: assemble the experiment's result JSON from the workflow's outputs.
+
+Reads the baseline and fine-tuned score summaries (`segback score`), the training summary
+(`segback train`'s adapter/train_summary.json), the segment plan (`segback plan`) and, when given,
+Snakemake benchmark files; writes `results/{model}_chunk_score.json` after validating it against
+`workflow/schemas/result.schema.json`, and optionally a small HTML score table for the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import html
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from segback.io import atomic_write_json, atomic_write_text, read_json
+
+SCHEMA_VERSION = 1
+DEFAULT_SCHEMA = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "result.schema.json"
+
+# Scalar metrics of `segback score`, in table order. `n` is copied but has no delta.
+METRICS = (
+    "n", "mean_score", "valid_json_rate", "schema_rate", "anchor_rate", "label_rate",
+    "nonempty_rate", "boundary_precision", "boundary_recall", "boundary_f1", "pk", "windowdiff",
+    "rouge_l", "mean_generated_tokens",
+)
+LOWER_IS_BETTER = {"pk", "windowdiff"}
+TRAINING_FIELDS = (
+    "steps", "seq", "batch_size", "segments", "peak_gb", "seconds", "tokens", "first_loss",
+    "final_loss", "val_loss", "tokens_per_second",
+)
+
+
+class ResultError(ValueError):
+    """An input is missing a field, or the assembled result does not match the schema."""
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _number(v: Any) -> Any:
+    """JSON has no NaN/inf: map them to null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def metrics_of(score: dict, source: str) -> dict:
+    """The scalar metrics of a score summary (per-case rows dropped)."""
+    if not isinstance(score, dict):
+        raise ResultError(f"{source}: expected a JSON object, got {type(score).__name__}")
+    missing = [k for k in METRICS if k not in score]
+    if missing:
+        raise ResultError(f"{source}: missing score field(s) {', '.join(missing)}")
+    out = {k: _number(score[k]) for k in METRICS}
+    for k, v in score.items():  # any further scalar metric the scorer reports
+        if k not in out and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = _number(v)
+    return out
+
+
+def delta_of(baseline: dict, finetuned: dict) -> dict:
+    """finetuned - baseline for every shared metric except counts (`n`, `n_*`); null where either
+    is null."""
+    out = {}
+    for k in finetuned:
+        if k == "n" or k.startswith("n_") or k not in baseline:
+            continue
+        b, f = baseline[k], finetuned[k]
+        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (b, f))
+        out[k] = round(f - b, 6) if ok else None
+    return out
+
+
+def normalize_segments(segments: Any, source: str) -> list[list[int]]:
+    """Segments as [[start, stop], ...] from pairs or {"start", "stop"} objects."""
+    if not isinstance(segments, list):
+        raise ResultError(f"{source}: `segments` must be a list, got {type(segments).__name__}")
+    out = []
+    for s in segments:
+        if isinstance(s, dict):
+            s = [s.get("start"), s.get("stop")]
+        if not (isinstance(s, (list, tuple)) and len(s) == 2):
+            raise ResultError(f"{source}: bad segment {s!r}; expected [start, stop]")
+        out.append([int(s[0]), int(s[1])])
+    return out
+
+
+def training_of(summary: dict, plan: dict, source: str) -> dict:
+    missing = [k for k in ("steps", "seq", "peak_gb", "seconds") if k not in summary]
+    if missing:
+        raise ResultError(f"{source}: missing training field(s) {', '.join(missing)}")
+    out = {k: _number(summary[k]) for k in TRAINING_FIELDS if k in summary and k != "segments"}
+    segments = summary.get("segments", plan.get("segments"))
+    out["segments"] = normalize_segments(segments, source)
+    for k, v in summary.items():  # further scalar figures, e.g. resumed_from
+        if k not in out and k not in TRAINING_FIELDS and _is_scalar(v):
+            out[k] = _number(v)
+    return out
+
+
+def plan_of(plan: dict, source: str) -> dict:
+    if "segments" not in plan:
+        raise ResultError(f"{source}: missing plan field `segments`")
+    out = {k: _number(v) for k, v in plan.items() if _is_scalar(v)}
+    out["segments"] = normalize_segments(plan["segments"], source)
+    out.setdefault("predicted_peak_gb", None)
+    return out
+
+
+def read_benchmark(path: str | Path) -> dict | None:
+    """Mean wall seconds and max RSS (MB) of a Snakemake benchmark TSV; None if unreadable."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f, delimiter="\t"))
+    except OSError:
+        return None
+
+    def col(name: str) -> list[float]:
+        vals = []
+        for r in rows:
+            try:
+                vals.append(float(r.get(name, "")))
+            except (TypeError, ValueError):
+                pass
+        return vals
+
+    seconds = col("s")
+    if not seconds:
+        return None
+    rss = col("max_rss")
+    return {"seconds": round(sum(seconds) / len(seconds), 4),
+            "max_rss_mb": round(max(rss), 2) if rss else None}
+
+
+def collect_benchmarks(specs: list[str]) -> dict:
+    """Benchmarks from `NAME=FILE`, `FILE` (named by its stem) or `DIR` (every *.tsv below it,
+    named by its path relative to DIR). Missing files are skipped: a stage may not have run here."""
+    stages: dict[str, dict] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = "", spec
+        p = Path(path)
+        if p.is_dir():
+            files = [(str(f.relative_to(p).with_suffix("")), f) for f in sorted(p.rglob("*.tsv"))]
+        else:
+            files = [(name or p.stem, p)]
+        for stage, f in files:
+            bench = read_benchmark(f)
+            if bench is not None:
+                stages[stage] = bench
+    return stages
+
+
+def build_result(model_name: str, baseline: dict, finetuned: dict, train_summary: dict,
+                 plan: dict, stages: dict | None = None, artifacts: dict | None = None,
+                 sources: dict | None = None) -> dict:
+    src = {"baseline": "baseline score", "finetuned": "fine-tuned score",
+           "train": "train summary", "plan": "plan", **(sources or {})}
+    base = metrics_of(baseline, src["baseline"])
+    tuned = metrics_of(finetuned, src["finetuned"])
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "model": model_name,
+        "baseline": base,
+        "finetuned": tuned,
+        "delta": delta_of(base, tuned),
+        "training": training_of(train_summary, plan, src["train"]),
+        "plan": plan_of(plan, src["plan"]),
+        "stages": dict(stages or {}),
+    }
+    if artifacts:
+        result["artifacts"] = dict(artifacts)
+    return result
+
+
+def validate_result(result: dict, schema_path: str | Path = DEFAULT_SCHEMA) -> None:
+    """Raise ResultError listing every place where `result` breaks the schema."""
+    import jsonschema
+
+    schema = read_json(schema_path)
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(result), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = [f"  at {'/'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}"
+                 for e in errors]
+        raise ResultError(f"result does not match {schema_path}:\n" + "\n".join(lines))
+
+
+def _fmt(key: str, v: Any, signed: bool = False) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return html.escape(str(v))
+    if isinstance(v, int):
+        return f"{v:+d}" if signed else str(v)
+    if key.endswith("_rate") or key in {"boundary_precision", "boundary_recall", "boundary_f1",
+                                        "rouge_l"}:
+        return f"{v * 100:+.1f} pp" if signed else f"{v * 100:.1f}%"
+    digits = 2 if key == "mean_score" else 3
+    return f"{v:+.{digits}f}" if signed else f"{v:.{digits}f}"
+
+
+def render_table(result: dict) -> str:
+    """A self-contained HTML page: the score table and the training figures."""
+    base, tuned, delta = result["baseline"], result["finetuned"], result["delta"]
+    rows = []
+    for k in [m for m in METRICS if m in tuned] + [m for m in tuned if m not in METRICS]:
+        note = " (lower is better)" if k in LOWER_IS_BETTER else ""
+        rows.append(f"<tr><td>{html.escape(k)}{note}</td><td>{_fmt(k, base.get(k))}</td>"
+                    f"<td>{_fmt(k, tuned[k])}</td><td>{_fmt(k, delta.get(k), signed=True)}</td>"
+                    "</tr>")
+    t = result["training"]
+    train_rows = [f"<tr><td>{html.escape(k)}</td><td>{_fmt(k, v)}</td></tr>"
+                  for k, v in t.items() if k != "segments"]
+    segs = ", ".join(f"[{a}, {b})" for a, b in t["segments"])
+    train_rows.append(f"<tr><td>segments</td><td>{len(t['segments'])}: {segs}</td></tr>")
+    pred = result["plan"].get("predicted_peak_gb")
+    if pred is not None:
+        train_rows.append(f"<tr><td>predicted_peak_gb</td><td>{_fmt('gb', pred)}</td></tr>")
+    stage_rows = [f"<tr><td>{html.escape(k)}</td><td>{v['seconds']:.1f}</td></tr>"
+                  for k, v in result["stages"].items()]
+    title = f"segback chunking result: {html.escape(result['model'])}"
+    parts = [
+        "<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\">", f"<title>{title}</title>",
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "td:first-child{text-align:left}</style></head><body>",
+        f"<h2>{title}</h2>",
+        "<table><tr><th>metric</th><th>baseline</th><th>fine-tuned</th><th>delta</th></tr>",
+        *rows, "</table>",
+        "<h3>Training</h3><table>", *train_rows, "</table>",
+    ]
+    if stage_rows:
+        parts += ["<h3>Stage wall time (s)</h3><table>", *stage_rows, "</table>"]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _pairs(items: list[str], flag: str) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ResultError(f"{flag} expects NAME=PATH, got {item!r}")
+        out[key] = value
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-name", required=True, help="name of the `models` entry")
+    parser.add_argument("--baseline", required=True, help="score JSON of the stock model")
+    parser.add_argument("--finetuned", required=True, help="score JSON with the adapter")
+    parser.add_argument("--train-summary", required=True, help="adapter/train_summary.json")
+    parser.add_argument("--plan", required=True, help="plan JSON used for training")
+    parser.add_argument("--benchmarks", nargs="*", default=[], metavar="[NAME=]PATH",
+                        help="Snakemake benchmark TSV files or a directory of them "
+                             "(stage wall times; missing files are skipped)")
+    parser.add_argument("--artifact", action="append", default=[], metavar="NAME=PATH",
+                        help="record a related file's path in the result (repeatable)")
+    parser.add_argument("--schema", default=str(DEFAULT_SCHEMA), help="result JSON Schema")
+    parser.add_argument("--out", required=True, help="result JSON to write")
+    parser.add_argument("--table", default=None, help="also write an HTML score table here")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        artifacts = _pairs(args.artifact, "--artifact")
+        artifacts.setdefault("plan", args.plan)
+        artifacts.setdefault("train_summary", args.train_summary)
+        if args.table:
+            artifacts.setdefault("score_table", args.table)
+        result = build_result(
+            args.model_name,
+            baseline=read_json(args.baseline),
+            finetuned=read_json(args.finetuned),
+            train_summary=read_json(args.train_summary),
+            plan=read_json(args.plan),
+            stages=collect_benchmarks(args.benchmarks),
+            artifacts=artifacts,
+            sources={"baseline": args.baseline, "finetuned": args.finetuned,
+                     "train": args.train_summary, "plan": args.plan},
+        )
+        validate_result(result, args.schema)
+    except (OSError, ValueError) as e:  # ResultError and json.JSONDecodeError are ValueErrors
+        print(f"segback summarize: {e}", file=sys.stderr)
+        return 1
+    if args.table:
+        atomic_write_text(args.table, render_table(result))
+    atomic_write_json(args.out, result)
+    d = result["delta"].get("mean_score")
+    print(f"{args.out}: mean_score {result['baseline']['mean_score']} -> "
+          f"{result['finetuned']['mean_score']} (delta {d})", file=sys.stderr)
+    return 0

@@ -1,0 +1,78 @@
+# Dataset: build once (model-independent), then length-filter with each model's tokenizer.
+# The test split is filtered at eval.max_prompt_tokens, so the held-out set never depends on
+# `seq`; train/valid are filtered at the training length and live under seq{seq}/.
+
+
+rule build_dataset:
+    output:
+        train="results/data/train.jsonl",
+        valid="results/data/valid.jsonl",
+        test="results/data/test.jsonl",
+        stats="results/data/stats.json",
+    params:
+        out=lambda w, output: os.path.dirname(output.stats),
+        seed=DATA["seed"],
+        n_train=DATA["n_train"],
+        n_valid=DATA["n_valid"],
+        n_test=DATA["n_test"],
+        min_sources=DATA["min_sources"],
+        max_sources=DATA["max_sources"],
+        max_turns=DATA["max_turns"],
+        max_message_chars=DATA["max_message_chars"],
+    log:
+        "results/logs/data/build_dataset.log",
+    benchmark:
+        "results/benchmarks/data/build_dataset.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+    shell:
+        "segback build-data --out {params.out} --seed {params.seed}"
+        " --n-train {params.n_train} --n-valid {params.n_valid} --n-test {params.n_test}"
+        " --min-sources {params.min_sources} --max-sources {params.max_sources}"
+        " --max-turns {params.max_turns} --max-message-chars {params.max_message_chars}"
+        " > {log} 2>&1"
+
+
+rule filter_test:
+    input:
+        model="results/{model}/model",
+        data="results/data/test.jsonl",
+    output:
+        data="results/{model}/data/test.jsonl",
+        report="results/{model}/data/test.report.json",
+    params:
+        max_tokens=EVAL["max_prompt_tokens"],
+    log:
+        "results/logs/{model}/filter_test.log",
+    benchmark:
+        "results/benchmarks/{model}/filter_test.tsv"
+    threads: 1
+    resources:
+        mem_mb=MEM_MB,
+    shell:
+        "segback filter-data --model {input.model} --data {input.data}"
+        " --max-tokens {params.max_tokens} --out {output.data} --report {output.report}"
+        " > {log} 2>&1"
+
+
+rule filter_data:
+    input:
+        model="results/{model}/model",
+        data="results/data/{split}.jsonl",
+    output:
+        data="results/{model}/seq{seq}/data/{split}.jsonl",
+        report="results/{model}/seq{seq}/data/{split}.report.json",
+    params:
+        max_tokens=lambda w: int(w.seq),
+    log:
+        "results/logs/{model}/seq{seq}/filter_data_{split}.log",
+    benchmark:
+        "results/benchmarks/{model}/seq{seq}/filter_data_{split}.tsv"
+    threads: 1
+    resources:
+        mem_mb=MEM_MB,
+    shell:
+        "segback filter-data --model {input.model} --data {input.data}"
+        " --max-tokens {params.max_tokens} --out {output.data} --report {output.report}"
+        " > {log} 2>&1"

@@ -1,0 +1,98 @@
+# Plan segments for the training length, train the LoRA adapter with segmented backward, and
+# export it (mlx-lm layout + PEFT). All outputs live under results/{model}/seq{seq}/.
+
+
+rule plan_segments:
+    input:
+        model="results/{model}/model",
+    output:
+        report(
+            "results/{model}/seq{seq}/plan.json",
+            caption="../report/plan.rst",
+            category="Training",
+            labels={"model": "{model}", "seq": "{seq}", "figure": "segment plan"},
+        ),
+    params:
+        seq=lambda w: int(w.seq),
+        batch=TRAIN["batch_size"],
+        lora_rank=TRAIN["lora_rank"],
+        lora_layers=opt(
+            "--lora-layers", None if TRAIN["num_layers"] == -1 else TRAIN["num_layers"]
+        ),
+        target_gb=opt("--target-gb", TRAIN["target_gb"]),
+        time_budget=opt("--time-budget", TRAIN["time_budget"]),
+    log:
+        "results/logs/{model}/seq{seq}/plan_segments.log",
+    benchmark:
+        "results/benchmarks/{model}/seq{seq}/plan_segments.tsv"
+    threads: 2
+    resources:
+        mem_mb=MEM_MB,
+        gpu=GPU,
+    shell:
+        "segback plan --model {input.model} --seq {params.seq} --batch {params.batch}"
+        " --lora-rank {params.lora_rank} {params.lora_layers} {params.target_gb}"
+        " {params.time_budget}"
+        " --out {output} > {log} 2>&1"
+
+
+rule train_lora:
+    input:
+        model="results/{model}/model",
+        train="results/{model}/seq{seq}/data/train.jsonl",
+        valid="results/{model}/seq{seq}/data/valid.jsonl",
+        plan=lambda w: plan_file(w.model, w.seq),
+    output:
+        adapter=directory("results/{model}/seq{seq}/adapter"),
+        log="results/{model}/seq{seq}/train_log.jsonl",
+    params:
+        data=lambda w, input: os.path.dirname(input.train),
+        seq=lambda w: int(w.seq),
+        iters=TRAIN["iters"],
+        batch_size=TRAIN["batch_size"],
+        grad_accum=TRAIN["grad_accum"],
+        learning_rate=TRAIN["learning_rate"],
+        warmup=TRAIN["warmup"],
+        lora_rank=TRAIN["lora_rank"],
+        lora_scale=TRAIN["lora_scale"],
+        lora_dropout=TRAIN["lora_dropout"],
+        num_layers=TRAIN["num_layers"],
+        val_every=TRAIN["val_every"],
+        save_every=TRAIN["save_every"],
+        seed=TRAIN["seed"],
+    log:
+        "results/logs/{model}/seq{seq}/train_lora.log",
+    benchmark:
+        "results/benchmarks/{model}/seq{seq}/train_lora.tsv"
+    threads: 2
+    resources:
+        mem_mb=MEM_MB,
+        gpu=GPU,
+    shell:
+        "segback train --model {input.model} --data {params.data}"
+        " --adapter-path {output.adapter} --plan {input.plan} --seq {params.seq}"
+        " --iters {params.iters} --batch-size {params.batch_size}"
+        " --grad-accum {params.grad_accum} --learning-rate {params.learning_rate}"
+        " --warmup {params.warmup} --lora-rank {params.lora_rank}"
+        " --lora-scale {params.lora_scale} --lora-dropout {params.lora_dropout}"
+        " --num-layers {params.num_layers} --val-every {params.val_every}"
+        " --save-every {params.save_every} --seed {params.seed}"
+        " --log {output.log} > {log} 2>&1"
+
+
+rule export_adapter:
+    input:
+        model="results/{model}/model",
+        adapter="results/{model}/seq{seq}/adapter",
+    output:
+        directory("results/{model}/seq{seq}/export"),
+    log:
+        "results/logs/{model}/seq{seq}/export_adapter.log",
+    benchmark:
+        "results/benchmarks/{model}/seq{seq}/export_adapter.tsv"
+    threads: 1
+    resources:
+        mem_mb=MEM_MB,
+    shell:
+        "segback export --model {input.model} --adapter {input.adapter} --out {output}"
+        " > {log} 2>&1"
