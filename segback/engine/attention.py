@@ -6,25 +6,44 @@ backward walks the queries one chunk at a time, flash-attention-2 style: a chunk
 scores against only the keys it can see, so memory is O(chunk x L) (causal) or
 O(chunk x (chunk + window)) (sliding), and a sliding layer does O(L x window) work.
 
-Since a chunk holds complete score rows, its softmax (and so the row logsumexp) is recomputed
-exactly in the backward from the scores it needs anyway: nothing beyond the output is stored.
+- Row logsumexp: not stored. A chunk holds complete score rows, so the backward recomputes its
+  softmax exactly from the scores it needs anyway; the forward keeps only its output (for
+  rowsum(dO * O)).
+- Forward: chunked the same way (no [L, L] array, no mask array). A causal call may use mx.fast's
+  kernel instead (`FUSED_FORWARD`), on by default only on Metal, whose kernel is flash-style.
+- Chunks run strictly in order (`mx.depends`), else MLX's scheduler may start many at once.
+  dK/dV accumulate in float32; matmuls run in the input dtype, softmax and dS in float32.
+- On CUDA, buffers live until the CUDA graph that used them has run, and mlx batches 20 ops per
+  graph by default: several chunks' scores stay alive at once. `MLX_MAX_OPS_PER_BUFFER=4` (set
+  before mlx starts) or `mx.set_memory_limit` bound that; see bench/attention_bench.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Iterator, Literal, Optional, Sequence
+from typing import Any, Literal
 
 import mlx.core as mx
+from mlx_lm.models import base as _base
+
+# mlx-lm's own function, captured before any patching: the fallback for what we do not handle.
+_MLX_SDPA = _base.scaled_dot_product_attention
 
 # Chunks are sized so one [B, H, chunk, visible keys] float32 score array stays under this many
 # elements (256 MB); the backward keeps ~4 such arrays alive.
 SCORE_BUDGET = 1 << 26
 MIN_CHUNK = 64
 MAX_CHUNK = 1024
+# Causal forward through mx.fast's kernel (the backward is ours either way). Only Metal's is a
+# flash kernel: on CPU and CUDA (mlx 0.32.4) it materializes [B, H, L, L] scores (4.4 GB at
+# L=16K, 8 heads, bf16), so there the forward is chunked too.
+FUSED_FORWARD = mx.metal.is_available()
+FUSE_ELEMENTWISE = True
 
 
 @dataclass(frozen=True)
@@ -32,23 +51,36 @@ class MaskSpec:
     """A mask described instead of materialized: "causal", or "sliding" over `window` keys."""
 
     kind: Literal["causal", "sliding"] = "causal"
-    window: Optional[int] = None
+    window: int | None = None
 
     def __post_init__(self):
         if self.kind not in ("causal", "sliding"):
             raise ValueError(f"unknown mask kind {self.kind!r}")
         if self.kind == "sliding" and (self.window is None or self.window < 1):
             raise ValueError("a sliding mask needs a positive window")
+        if self.kind == "causal" and self.window is not None:
+            raise ValueError("a causal mask has no window (use kind='sliding')")
+
+    def to_mlx(self, q_len: int, k_len: int) -> mx.array | str:
+        """The mask mlx-lm would pass: "causal", or a boolean [q_len, k_len] window mask."""
+        if self.kind == "causal":
+            return "causal"
+        return _base.create_causal_mask(q_len, offset=k_len - q_len, window_size=self.window)
 
 
 def default_chunk_size(
-    batch: int, heads: int, q_len: int, k_len: int, window: Optional[int] = None
+    batch: int, heads: int, q_len: int, k_len: int, window: int | None = None
 ) -> int:
     """Largest power-of-two query chunk in [MIN_CHUNK, MAX_CHUNK] whose scores fit SCORE_BUDGET.
 
     Bigger chunks mean fewer, larger matmuls (faster); the budget bounds the per-chunk memory.
+    A sliding chunk also sees its own width of keys beyond the window, so its chunk is at most
+    the window (work <= 2 x L x window).
     """
     chunk = MAX_CHUNK
+    if window is not None:
+        while chunk > MIN_CHUNK and chunk > window:
+            chunk //= 2
     while chunk > MIN_CHUNK:
         visible = k_len if window is None else min(k_len, chunk + window - 1)
         if batch * heads * chunk * visible <= SCORE_BUDGET:
@@ -57,7 +89,7 @@ def default_chunk_size(
     return max(1, min(chunk, q_len))
 
 
-def _key_range(q0: int, q1: int, offset: int, window: Optional[int]) -> tuple[int, int]:
+def _key_range(q0: int, q1: int, offset: int, window: int | None) -> tuple[int, int]:
     """Keys [k0, k1) seen by queries [q0, q1) (query i sits at key position i + offset)."""
     k1 = q1 + offset
     k0 = 0 if window is None else max(0, q0 + offset - window + 1)
@@ -65,8 +97,8 @@ def _key_range(q0: int, q1: int, offset: int, window: Optional[int]) -> tuple[in
 
 
 def _chunk_mask(
-    q0: int, q1: int, k0: int, k1: int, offset: int, window: Optional[int]
-) -> Optional[mx.array]:
+    q0: int, q1: int, k0: int, k1: int, offset: int, window: int | None
+) -> mx.array | None:
     """Boolean [q1 - q0, k1 - k0] visibility of the chunk, or None when every key is visible."""
     causal_cut = k1 - 1 > q0 + offset
     window_cut = window is not None and k0 <= q1 - 1 + offset - window
@@ -80,16 +112,34 @@ def _chunk_mask(
     return mask
 
 
+def _probs_from_scores(s: mx.array, mask: mx.array | None, scale: float) -> mx.array:
+    s = s.astype(mx.float32) * scale
+    if mask is not None:
+        s = mx.where(mask, s, mx.finfo(mx.float32).min)
+    return mx.softmax(s, axis=-1, precise=True)
+
+
+def _dscores(p: mx.array, dp: mx.array, delta: mx.array, scale: float) -> mx.array:
+    """dS = P * (dP - rowsum(dO * O)), times the scale (dS is only used as scale * dS)."""
+    return (p * (dp.astype(mx.float32) - delta) * scale).astype(dp.dtype)
+
+
+# Fusing the elementwise passes (shapeless: chunks differ in width) saves score-sized temporaries
+# and memory traffic, which dominate a chunk's cost on a GPU.
+_probs_from_scores_fused = mx.compile(_probs_from_scores, shapeless=True)
+_dscores_fused = mx.compile(_dscores, shapeless=True)
+
+
 def _probs(
-    q: mx.array, k: mx.array, scale: float, mask: Optional[mx.array], rep: int
+    q: mx.array, k: mx.array, scale: float, mask: mx.array | None, rep: int
 ) -> mx.array:
     """Float32 softmax of a chunk's scores; q [B, Hkv, rep * c, D], k [B, Hkv, kv, D]."""
-    s = (q @ k.swapaxes(-1, -2)).astype(mx.float32) * scale
+    s = q @ k.swapaxes(-1, -2)
+    B, Hkv, n, kv = s.shape
     if mask is not None:
-        B, Hkv, n, kv = s.shape
-        s = s.reshape(B, Hkv, rep, n // rep, kv)
-        s = mx.where(mask, s, mx.finfo(mx.float32).min).reshape(B, Hkv, n, kv)
-    return mx.softmax(s, axis=-1, precise=True)
+        s = s.reshape(B, Hkv, rep, n // rep, kv)  # the [c, kv] mask broadcasts over rep
+    fn = _probs_from_scores_fused if FUSE_ELEMENTWISE else _probs_from_scores
+    return fn(s, mask, scale).reshape(B, Hkv, n, kv)
 
 
 def _q_chunk(x: mx.array, q0: int, q1: int) -> mx.array:
@@ -98,7 +148,15 @@ def _q_chunk(x: mx.array, q0: int, q1: int) -> mx.array:
     return x[:, :, :, q0:q1].reshape(B, Hkv, rep * (q1 - q0), D)
 
 
-def _make_chunked(scale: float, window: Optional[int], chunk: int, fused_forward: bool):
+def _add_rows(acc: mx.array, update: mx.array, start: int) -> mx.array:
+    """acc[:, :, start:start + n] += update, in float32."""
+    stop = start + update.shape[2]
+    return mx.slice_update(
+        acc, acc[:, :, start:stop] + update.astype(mx.float32), mx.array([start]), (2,)
+    )
+
+
+def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: bool):
     """Build the custom-VJP attention for fixed static arguments (cached by the caller)."""
 
     def split(queries: mx.array, keys: mx.array) -> tuple[mx.array, int, int]:
@@ -155,13 +213,14 @@ def _make_chunked(scale: float, window: Optional[int], chunk: int, fused_forward
             doc = _q_chunk(do5, q0, q1)
             p = _probs(qc, kc, scale, mask, rep)
             dv_c = p.astype(doc.dtype).swapaxes(-1, -2) @ doc
-            dp = (doc @ vc.swapaxes(-1, -2)).astype(mx.float32)
-            ds = p * (dp - _q_chunk(delta5, q0, q1)) * scale
-            ds = ds.astype(queries.dtype)
+            dp = doc @ vc.swapaxes(-1, -2)
+            ds = (_dscores_fused if FUSE_ELEMENTWISE else _dscores)(
+                p, dp, _q_chunk(delta5, q0, q1), scale
+            ).astype(queries.dtype)
             dqs.append((ds @ kc).reshape(B, Hkv, rep, q1 - q0, D))
             dk_c = ds.swapaxes(-1, -2) @ qc
-            dk = mx.slice_update(dk, dk[:, :, k0:k1] + dk_c.astype(mx.float32), mx.array([k0]), (2,))
-            dv = mx.slice_update(dv, dv[:, :, k0:k1] + dv_c.astype(mx.float32), mx.array([k0]), (2,))
+            dk = _add_rows(dk, dk_c, k0)
+            dv = _add_rows(dv, dv_c, k0)
         dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
         return (
             dq.reshape(B, H, Lq, D).astype(queries.dtype),
@@ -172,8 +231,8 @@ def _make_chunked(scale: float, window: Optional[int], chunk: int, fused_forward
     return attend
 
 
-@functools.lru_cache(maxsize=None)
-def _cached_chunked(scale: float, window: Optional[int], chunk: int, fused_forward: bool):
+@functools.cache
+def _cached_chunked(scale: float, window: int | None, chunk: int, fused_forward: bool):
     return _make_chunked(scale, window, chunk, fused_forward)
 
 
@@ -182,8 +241,8 @@ def chunked_sdpa(
     keys: mx.array,
     values: mx.array,
     scale: float,
-    window: Optional[int] = None,
-    chunk_size: Optional[int] = None,
+    window: int | None = None,
+    chunk_size: int | None = None,
 ) -> mx.array:
     """Causal (optionally sliding-window) attention whose backward is O(L) in memory.
 
@@ -202,5 +261,62 @@ def chunked_sdpa(
     if window is not None and window >= Lk:
         window = None  # the window covers everything: plain causal
     chunk = chunk_size or default_chunk_size(B, H, Lq, Lk, window)
-    fused = window is None and mx.default_device() == mx.gpu
+    fused = FUSED_FORWARD and window is None and mx.default_device() == mx.gpu
     return _cached_chunked(float(scale), window, int(chunk), fused)(queries, keys, values)
+
+
+def _is_causal_string(mask: Any) -> bool:
+    return isinstance(mask, str) and mask == "causal"
+
+
+def sdpa_for_mlx_lm(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: mx.array | str | MaskSpec | None,
+    sinks: mx.array | None = None,
+    *,
+    chunk_size: int | None = None,
+) -> mx.array:
+    """`mlx_lm.models.base.scaled_dot_product_attention` with the O(L) backward where it applies.
+
+    Training calls (no KV cache, no sinks) with mask "causal" or a `MaskSpec` go to
+    `chunked_sdpa`. Everything else keeps mlx-lm's path (a `MaskSpec` made into mlx-lm's mask):
+    inference with a cache, attention sinks, explicit mask arrays (which we cannot read without
+    evaluating them) and `mask=None`.
+    """
+    chunkable = isinstance(mask, MaskSpec) or _is_causal_string(mask)
+    if cache is not None or sinks is not None or not chunkable:
+        if isinstance(mask, MaskSpec):
+            mask = mask.to_mlx(queries.shape[2], keys.shape[2])
+        return _MLX_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    window = mask.window if isinstance(mask, MaskSpec) and mask.kind == "sliding" else None
+    return chunked_sdpa(queries, keys, values, scale, window=window, chunk_size=chunk_size)
+
+
+@contextlib.contextmanager
+def use_chunked_attention(
+    modules: Sequence[ModuleType | str], chunk_size: int | None = None
+) -> Iterator[None]:
+    """Route the given mlx-lm model modules' attention through `sdpa_for_mlx_lm`, then restore.
+
+    mlx-lm model files import `scaled_dot_product_attention` from `.base` by name, so the name is
+    swapped in each module (e.g. `mlx_lm.models.llama`, or the string "mlx_lm.models.llama").
+    """
+    mods = [importlib.import_module(m) if isinstance(m, str) else m for m in modules]
+
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        return sdpa_for_mlx_lm(
+            queries, keys, values, cache, scale, mask, sinks, chunk_size=chunk_size
+        )
+
+    saved = [(m, m.scaled_dot_product_attention) for m in mods]
+    try:
+        for m in mods:
+            m.scaled_dot_product_attention = sdpa
+        yield
+    finally:
+        for m, original in reversed(saved):
+            m.scaled_dot_product_attention = original
