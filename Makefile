@@ -18,14 +18,15 @@ $(BIN)/segback: pyproject.toml
 setup: $(BIN)/segback
 
 run: setup
-	$(BIN)/snakemake --cores 1 --configfile $(CONFIG) results/$(MODEL)_chunk_score.json
+	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores 1 --configfile $(CONFIG)
 
 report: setup
-	$(BIN)/snakemake --cores 1 --configfile $(CONFIG) results/$(MODEL)_chunk_score.json --report results/report.html
+	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores 1 --report results/report.html --configfile $(CONFIG)
 
 test: setup
 	$(BIN)/ruff check segback tests
-	$(BIN)/python -m pytest -q tests
+	LD_PRELOAD=$$(ls /usr/lib/*/openblas-pthread/libblas.so.3 2>/dev/null | head -n1) \
+		$(BIN)/python -m pytest -q tests
 
 lint: setup
 	$(BIN)/ruff check segback tests

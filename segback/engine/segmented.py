@@ -79,12 +79,30 @@ def value_and_grad(
     lengths: mx.array,
     segments: Any = None,
     head_max_elements: int = DEFAULT_MAX_ELEMENTS,
+    attention: str = "fused",
 ) -> tuple[tuple[mx.array, mx.array], dict]:
     """Drop-in for `nn.value_and_grad(model, default_loss)(model, batch, lengths)`.
 
     Returns ((loss, ntoks), grads) with grads shaped like `model.trainable_parameters()`.
+    `attention="chunked"` runs mlx-lm's layers with `chunked_sdpa` (O(L) attention backward,
+    masks as descriptors); "fused" keeps mx.fast's kernel. A plan's own "attention" wins.
     """
+    if isinstance(segments, dict):
+        attention = segments.get("attention", segments.get("inputs", {}).get("attention",
+                                                                             attention))
+    if attention not in ("fused", "chunked"):
+        raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
     stack = get_stack(model)
+    if attention == "chunked":
+        from segback.engine.attention import use_chunked_attention
+
+        with use_chunked_attention([stack.module]):
+            return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements,
+                                   chunked=True)
+    return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements)
+
+
+def _value_and_grad(model, stack, batch, lengths, segments, head_max_elements, chunked=False):
     segs = resolve_segments(segments, stack.num_layers)
     flat, per_layer, outer = _split_trainable(model, stack)
     lengths_np = np.array(lengths).reshape(-1, 2)
@@ -100,7 +118,7 @@ def value_and_grad(
 
     # 1. Forward, keeping evaluated boundaries (eval detaches them from the graph).
     h, per_layer_in = stack.embed(inputs)
-    masks = stack.masks(h)
+    masks = stack.masks(h, descriptors=chunked)
     mx.eval(h, per_layer_in, [m for m in masks.values() if isinstance(m, mx.array)])
     kv_saved: dict[int, tuple[mx.array, mx.array]] = {}
     readers = [stack.donors_read_by(a, b) for a, b in segs]

@@ -8,7 +8,9 @@ tied embedding, logit softcap).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 from collections.abc import Callable
 
@@ -41,9 +43,25 @@ class Stack:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def masks(self, h: mx.array) -> dict[str, Mask]:
-        """One mask per attention type, exactly as mlx-lm builds them for a cache-less call."""
-        out: dict[str, Mask] = {"full_attention": create_attention_mask(h, None)}
+    @property
+    def module(self) -> ModuleType:
+        """The mlx-lm module defining the layers (where attention is looked up by name)."""
+        return sys.modules[type(self.layers[0]).__module__]
+
+    def masks(self, h: mx.array, descriptors: bool = False) -> dict[str, Mask]:
+        """One mask per attention type, as mlx-lm builds them for a cache-less call.
+
+        With `descriptors`, a `MaskSpec` per type instead: chunked attention builds each chunk's
+        mask from positions, so no [L, L] array ever exists.
+        """
+        if descriptors:
+            from segback.engine.attention import MaskSpec
+
+            out: dict[str, Mask] = {"full_attention": MaskSpec("causal")}
+            if "sliding_attention" in self.layer_types:
+                out["sliding_attention"] = MaskSpec("sliding", self.window)
+            return out
+        out = {"full_attention": create_attention_mask(h, None)}
         if "sliding_attention" in self.layer_types:
             out["sliding_attention"] = create_attention_mask(h, None, window_size=self.window)
         return out
