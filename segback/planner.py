@@ -1,0 +1,873 @@
+"""Segment planner: choose the layer ranges of a segmented backward from the model's geometry.
+
+Peak memory of one training step (segback.engine.value_and_grad + AdamW) is modelled as a
+sequence of events, each adding its transient to what is alive at that moment:
+
+    resting   = weights + LoRA params, grads and AdamW state (float32, 2x)
+    constants = per-layer inputs (Gemma-4) + materialized [L, L] masks + saved donor K/V
+    embed     = prologue: building h0 and the per-layer inputs
+    head      = every hidden boundary + the final hidden + dh + one chunk of logits
+    segment k = hidden boundaries 0..k + dh + donor K/V cotangents still pending
+                + the segment's recomputed activations (+ attention scores) + h_out, dh_in
+    peak      = resting + constants + max(events)
+
+The engine frees a boundary once its segment's backward is done, so early segments see fewer
+boundaries. Time is counted in FLOPs: the engine recomputes every layer's forward once, and each
+segment adds a small fixed overhead. The search is an O(N^3) min-max DP over contiguous cuts for
+every segment count, with a branch per choice of which Gemma-4 donors stay uncut from their
+sharers (no saved K/V). `--calibrate` scales the analytic activation and attention sizes by a
+fit to a 1-layer and a 2-layer segment of the real model, measured at two lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+GB = 1024**3  # as segback.engine.memory
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "plan.schema.json"
+
+# Fused attention (mx.fast.scaled_dot_product_attention under grad tracing runs MLX's composed
+# fallback on every backend) in units of one [B, H, L, L] array in the compute dtype: each layer
+# of a segment keeps ~0.8 copy until its backward, and one layer's backward adds ~2.4 (scores,
+# dP, dS). Fitted on CPU llama and gemma4 layers, 1-3 per segment; a lone sdpa on the H200
+# (DESIGN.md, 3.6 GB at 8K, 8 heads, bf16) is 3.4 in all.
+FUSED_RETAINED_COPIES = 0.8
+FUSED_TRANSIENT_COPIES = 2.4
+# Chunked attention (segback.engine.attention): the backward keeps ~4 float32 [B, H, chunk,
+# visible] arrays per chunk, plus float32 dK/dV and dQ over the whole sequence.
+CHUNKED_SCORE_COPIES = 4.0
+# Loss head: a chunk of logits is held ~4.5 times (logits, log-softmax, grads), ~6.5 with a
+# logit softcap (tanh and its derivative), measured on CPU in float32 and bfloat16.
+HEAD_COPIES, SOFTCAP_COPIES = 4.5, 2.0
+HEAD_MAX_ELEMENTS = 1 << 26  # segback.engine.head.DEFAULT_MAX_ELEMENTS
+# Per-segment fixed cost (graph build, evals, boundary copies) as a fraction of a step; a rough
+# figure: at long L the recompute forward dominates and this barely moves the ratio.
+SEGMENT_OVERHEAD = 0.003
+# Backward/forward FLOP ratios: a frozen linear only needs dX (1x), attention needs dQ, dK, dV
+# and dP (2x) and chunked attention also recomputes its probabilities (3x).
+BWD_LINEAR, BWD_ATTN_FUSED, BWD_ATTN_CHUNKED = 1.0, 2.0, 3.0
+# Ties within this fraction of the minimum peak go to fewer segments (faster, better fusion).
+TIE_FRACTION = 0.005
+CALIBRATION_LENGTHS = (512, 1024)
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+# --------------------------------------------------------------------------------------------
+# Geometry read from the model
+
+
+@dataclass
+class LayerGeom:
+    """What one decoder layer costs, per token, in compute-dtype elements or FLOPs."""
+
+    kind: str
+    window: int | None
+    heads: int
+    head_dim: int
+    kv_width: int  # K (= V) width of the K/V this layer attends to (own or shared)
+    kv_source: int
+    act_elems: int  # activations kept for the backward, elements per token
+    bwd_elems: int  # cotangents alive during this layer's backward, elements per token
+    linear_flops: float  # forward FLOPs per token of its linear layers (incl. LoRA)
+    weight_bytes: int
+    bits: int | None
+    lora_params: int
+
+
+@dataclass
+class Geometry:
+    model_id: str
+    model_type: str
+    hidden: int
+    vocab: int
+    softcap: bool
+    dtype: str
+    dtype_bytes: int
+    layers: list[LayerGeom]
+    per_layer_width: int  # Gemma-4 per-layer input elements per token (all layers), else 0
+    weight_bytes: int
+    lora_params: int
+    quant_bits: list[int] = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def sharers(self) -> dict[int, list[int]]:
+        """Donor layer -> the later layers that attend to its K/V."""
+        out: dict[int, list[int]] = {}
+        for i, g in enumerate(self.layers):
+            if g.kv_source != i:
+                out.setdefault(g.kv_source, []).append(i)
+        return out
+
+
+def _text_parts(model: nn.Module) -> tuple[nn.Module, Any]:
+    """The causal LM (gemma4 keeps it under `language_model`) and its args."""
+    outer = model.language_model if getattr(model, "model_type", None) == "gemma4" else model
+    return outer, outer.args
+
+
+def _linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, linear) for every linear in `module`, looking through LoRA wrappers."""
+    out = []
+    for path, m in module.named_modules():
+        if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and not path.endswith(".linear"):
+            out.append((path, m))
+        elif hasattr(m, "lora_a") and hasattr(m, "linear"):
+            out.append((path, m.linear))
+    return out
+
+
+def _linear_dims(m: nn.Module) -> tuple[int, int, int | None]:
+    """(in, out, bits) of a (quantized) linear, from its stored weight."""
+    out_dims, stored = m.weight.shape
+    if isinstance(m, nn.QuantizedLinear):
+        return stored * 32 // m.bits, out_dims, m.bits
+    return stored, out_dims, None
+
+
+def _layer_types(args: Any, n: int) -> list[str]:
+    if getattr(args, "layer_types", None):
+        return [FULL if t == FULL else SLIDING for t in args.layer_types[:n]]
+    pattern = getattr(args, "sliding_window_pattern", None)
+    if getattr(args, "model_type", "") == "gemma3_text" and pattern:
+        return [FULL if i % pattern == pattern - 1 else SLIDING for i in range(n)]
+    return [FULL] * n
+
+
+def _act_elems(layer: nn.Module, hidden: int, q: int, kv_own: int, inter: int, ple: int) -> int:
+    """Activations a layer keeps for its backward, per token (elements).
+
+    Counted: the layer input and each norm's input (hidden), each linear's output and LoRA's
+    input (q, o, MLP gate/up/act/product), rope'd and normed Q/K/V, the attention output and its
+    transposed copy, and the Gemma-4 per-layer-input gate (gate, gelu, product, projection).
+    """
+    norms = sum(1 for p, m in layer.named_modules()
+                if "self_attn" not in p and "mlp" not in p
+                and isinstance(m, (nn.RMSNorm, nn.LayerNorm)))
+    head_norms = sum(1 for n in ("q_norm", "k_norm", "v_norm")
+                     if hasattr(getattr(layer, "self_attn", None), n))
+    attn = 4 * q + 3 * kv_own + head_norms * (q + kv_own) // 2
+    mlp = 4 * inter
+    residual = hidden * (3 + 2 * norms)
+    extra = (3 * ple + 3 * hidden) if ple else 0
+    return residual + attn + mlp + extra
+
+
+def _bwd_elems(hidden: int, inter: int) -> int:
+    """Cotangents alive while one layer runs its backward, per token (elements): those of the
+    MLP's gate/up/product and a few hidden-sized ones; fitted on CPU layers (1.3-1.5x 3I+6d)."""
+    return 4 * inter + 8 * hidden
+
+
+def _lora_params(layer: nn.Module, rank: int, add_lora: bool) -> int:
+    """Trainable elements of a layer: what is attached, or `rank` on every linear if `add_lora`."""
+    if not add_lora:
+        return sum(v.size for _, v in tree_flatten(layer.trainable_parameters()))
+    return sum(rank * (i + o) for i, o, _ in (_linear_dims(m) for _, m in _linears(layer)))
+
+
+def read_geometry(
+    model: nn.Module,
+    lora_rank: int = 8,
+    lora_layers: int | None = None,
+    dtype: mx.Dtype | str | None = None,
+    model_id: str = "model",
+) -> Geometry:
+    """Read everything the cost model needs from an mlx-lm model (lazy weights are fine)."""
+    outer, args = _text_parts(model)
+    inner = outer.model
+    layers = list(inner.layers)
+    n = len(layers)
+    hidden = args.hidden_size
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    if dtype is None:  # the embedding's output dtype is the hidden state's
+        emb = inner.embed_tokens
+        dtype = emb.scales.dtype if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.dtype
+    types = _layer_types(args, n)
+    window = getattr(args, "sliding_window", None)
+    kv_source = list(getattr(inner, "previous_kvs", range(n)))
+    ple_width = getattr(args, "hidden_size_per_layer_input", 0) or 0
+    has_ple = bool(ple_width) and getattr(inner, "embed_tokens_per_layer", None) is not None
+    n_lora = n if lora_layers is None else max(0, min(lora_layers, n))
+    attached = any(v.size for _, v in tree_flatten(model.trainable_parameters()))
+
+    # K/V width of each layer's own K/V (sharers read their donor's).
+    own_kv: dict[int, int] = {}
+    q_widths, head_dims, heads = [], [], []
+    for i, layer in enumerate(layers):
+        dims = {p.rsplit(".", 1)[-1]: _linear_dims(m) for p, m in _linears(layer.self_attn)}
+        q = dims["q_proj"][1]
+        nh = getattr(layer.self_attn, "n_heads", None) or args.num_attention_heads
+        hd = q // nh
+        q_widths.append(q)
+        heads.append(nh)
+        head_dims.append(hd)
+        if "k_proj" in dims:
+            own_kv[i] = dims["k_proj"][1]
+
+    geoms, bits_seen = [], []
+    for i, layer in enumerate(layers):
+        lin = [_linear_dims(m) for _, m in _linears(layer)]
+        mlp_dims = {p.rsplit(".", 1)[-1]: _linear_dims(m) for p, m in _linears(layer.mlp)} \
+            if hasattr(layer, "mlp") else {}
+        inter = (mlp_dims.get("gate_proj") or mlp_dims.get("up_proj") or (0, 0, None))[1]
+        kv_w = own_kv.get(kv_source[i], own_kv.get(i, q_widths[i]))
+        lora = _lora_params(layer, lora_rank, not attached and i >= n - n_lora)
+        bits = sorted({b for _, _, b in lin if b})
+        bits_seen += bits
+        geoms.append(LayerGeom(
+            kind=types[i],
+            window=window if types[i] == SLIDING else None,
+            heads=heads[i],
+            head_dim=head_dims[i],
+            kv_width=kv_w,
+            kv_source=kv_source[i],
+            act_elems=_act_elems(layer, hidden, q_widths[i], own_kv.get(i, 0), inter,
+                                 ple_width if has_ple else 0),
+            bwd_elems=_bwd_elems(hidden, inter),
+            linear_flops=2.0 * (sum(a * b for a, b, _ in lin) + lora),
+            weight_bytes=sum(v.nbytes for _, v in tree_flatten(layer.parameters())),
+            bits=max(bits) if bits else None,
+            lora_params=lora,
+        ))
+
+    all_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    lora_total = sum(g.lora_params for g in geoms)
+    if not attached:
+        all_bytes += lora_total * 4  # LoRA factors are float32 in mlx-lm
+    return Geometry(
+        model_id=model_id,
+        model_type=getattr(args, "model_type", "?"),
+        hidden=hidden,
+        vocab=args.vocab_size,
+        softcap=bool(getattr(args, "final_logit_softcapping", None)),
+        dtype=str(dtype).split(".")[-1],
+        dtype_bytes=dtype.size,
+        layers=geoms,
+        per_layer_width=n * ple_width if has_ple else 0,
+        weight_bytes=all_bytes,
+        lora_params=lora_total,
+        quant_bits=sorted(set(bits_seen)),
+    )
+
+
+def lazy_model(config: dict, dtype: mx.Dtype = mx.bfloat16, quant_bits: int | None = None,
+               group_size: int = 64) -> nn.Module:
+    """An mlx-lm model from a config dict whose weights are never materialized.
+
+    MLX is lazy: the random init, the cast and the quantization stay unevaluated graph nodes, so
+    shapes and byte counts are known without allocating e4b's ~16 GB of float32.
+    """
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating)
+                          else p, model.parameters()))
+    if quant_bits:
+        nn.quantize(model, group_size=group_size, bits=quant_bits,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % group_size == 0)
+    return model
+
+
+def resolve_model(
+    model_or_config: nn.Module | dict | str, dtype: str | None, quant_bits: int | None
+) -> tuple[nn.Module, str]:
+    """A model (lazy when read from a config, geometry name or checkpoint dir) and its id."""
+    if isinstance(model_or_config, nn.Module):
+        return model_or_config, type(model_or_config).__module__.rsplit(".", 1)[-1]
+    dt = DTYPES[dtype or "bfloat16"]
+    if isinstance(model_or_config, dict):
+        return lazy_model(model_or_config, dt, quant_bits), model_or_config["model_type"]
+    path = Path(model_or_config)
+    if path.is_dir():
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(path, lazy=True, strict=False)
+        return model, str(model_or_config)
+    from segback.models.geometry import geometry_config
+
+    return lazy_model(geometry_config(str(model_or_config)), dt, quant_bits), str(model_or_config)
+
+
+# --------------------------------------------------------------------------------------------
+# Cost model
+
+
+@dataclass
+class Coefficients:
+    """Multipliers on the analytic sizes (1.0 = uncalibrated): activations (kept ones and one
+    layer's backward cotangents), the attention scores each layer keeps until its backward, and
+    the scores one layer's backward adds."""
+
+    activation: float = 1.0
+    attention: float = 1.0
+    attention_transient: float = 1.0
+    calibrated: bool = False
+    lengths: list[int] = field(default_factory=list)
+    segments: list[list[int]] = field(default_factory=list)
+    measured_gb: list[list[float]] = field(default_factory=list)  # [segment][length]
+
+
+def _chunk_size(B: int, H: int, L: int, window: int | None) -> int:
+    """The query chunk segback.engine.attention picks for this shape."""
+    from segback.engine.attention import default_chunk_size
+
+    return default_chunk_size(B, H, L, L, window)
+
+
+class CostModel:
+    """Bytes and FLOPs of every piece of a segmented step for one (geometry, L, B, attention)."""
+
+    def __init__(self, geom: Geometry, seq_len: int, batch_size: int = 1,
+                 attention: str = "fused", coef: Coefficients | None = None):
+        if attention not in ("fused", "chunked"):
+            raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
+        self.g, self.L, self.B, self.attention = geom, seq_len, batch_size, attention
+        self.coef = coef or Coefficients()
+        s, L, B = geom.dtype_bytes, seq_len, batch_size
+        self.hidden_bytes = B * L * geom.hidden * s  # one [B, L, hidden] boundary
+        layers = geom.layers
+        self.act = np.array([B * L * g.act_elems * s for g in layers], float)
+        self.bwd = np.array([B * L * g.bwd_elems * s for g in layers], float)
+        ret, trans = zip(*(self._attention(g) for g in layers))
+        self.attn_retained, self.attn_transient = np.array(ret), np.array(trans)
+        self.kv_bytes = {d: 2 * B * L * layers[d].kv_width * s for d in geom.sharers()}
+
+    def _attention(self, g: LayerGeom) -> tuple[float, float]:
+        """(kept until the layer's backward, transient during it) for one layer, in bytes."""
+        B, L, s = self.B, self.L, self.g.dtype_bytes
+        if self.attention == "fused":
+            scores = B * g.heads * L * L * s
+            return FUSED_RETAINED_COPIES * scores, FUSED_TRANSIENT_COPIES * scores
+        window = g.window if g.window is not None and g.window < L else None
+        chunk = _chunk_size(B, g.heads, L, window)
+        visible = L if window is None else min(L, chunk + window - 1)
+        scores = CHUNKED_SCORE_COPIES * B * g.heads * chunk * visible * 4
+        linear = B * L * (2 * g.kv_width * 4 + g.heads * g.head_dim * s)  # dK, dV f32 + dQ
+        return 0.0, scores + linear
+
+    # --- memory ---------------------------------------------------------------------------
+
+    def constants(self) -> float:
+        """Alive for the whole step besides the boundaries: per-layer inputs and masks."""
+        g, L = self.g, self.L
+        pli = self.B * L * g.per_layer_width * g.dtype_bytes
+        windows = {x.window for x in g.layers if x.window is not None and x.window < L}
+        masks = L * L * len(windows) if self.attention == "fused" else 0  # bool [L, L]
+        return float(pli + masks)
+
+    def segment_bytes(self, a: int, b: int) -> float:
+        """Transient of segment [a, b)'s vjp: activations, attention, h_out and dh_in."""
+        c = self.coef
+        return float(c.activation * (self.act[a:b].sum() + self.bwd[a:b].max())
+                     + c.attention * self.attn_retained[a:b].sum()
+                     + c.attention_transient * self.attn_transient[a:b].max()
+                     + 2 * self.hidden_bytes)
+
+    def segment_matrix(self) -> np.ndarray:
+        """S[a, b] = segment_bytes(a, b) for all 0 <= a < b <= N (inf elsewhere)."""
+        n, c = self.g.num_layers, self.coef
+        S = np.full((n + 1, n + 1), np.inf)
+        cum_act = np.concatenate([[0.0], np.cumsum(self.act)])
+        cum_ret = np.concatenate([[0.0], np.cumsum(self.attn_retained)])
+        for a in range(n):
+            peak = np.maximum.accumulate(self.attn_transient[a:])
+            bwd = np.maximum.accumulate(self.bwd[a:])
+            b = np.arange(a + 1, n + 1)
+            S[a, a + 1:] = (c.activation * (cum_act[b] - cum_act[a] + bwd)
+                            + c.attention * (cum_ret[b] - cum_ret[a])
+                            + c.attention_transient * peak
+                            + 2 * self.hidden_bytes)
+        return S
+
+    def head_bytes(self) -> float:
+        """Transient of the chunked loss head: one chunk of logits, dh and its update copy."""
+        g = self.g
+        rows = max(1, min(self.B * (self.L - 1), HEAD_MAX_ELEMENTS // g.vocab))
+        copies = HEAD_COPIES + (SOFTCAP_COPIES if g.softcap else 0.0)
+        return copies * rows * g.vocab * g.dtype_bytes + 2 * self.hidden_bytes
+
+    def embed_bytes(self) -> float:
+        """Prologue transient: the per-layer inputs are built through ~3 full-size temporaries."""
+        return 3.0 * self.B * self.L * self.g.per_layer_width * self.g.dtype_bytes
+
+    def resting(self) -> tuple[float, float]:
+        """(weights incl. LoRA factors, LoRA grads + AdamW's two float32 moments)."""
+        return float(self.g.weight_bytes), float(self.g.lora_params * 4 * 3)
+
+    def saved_donors(self, segments: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+        """Donor -> indices of later segments that read its saved K/V."""
+        seg_of = {i: k for k, (a, b) in enumerate(segments) for i in range(a, b)}
+        out: dict[int, list[int]] = {}
+        for d, readers in self.g.sharers().items():
+            ks = sorted({seg_of[r] for r in readers if seg_of[r] != seg_of[d]})
+            if ks:
+                out[d] = ks
+        return out
+
+    def evaluate(self, segments: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """Predicted peak (bytes), its breakdown and the event where it happens."""
+        n_seg = len(segments)
+        weights, lora_opt = self.resting()
+        saved = self.saved_donors(segments)
+        kv_saved = sum(self.kv_bytes[d] for d in saved)
+        const = self.constants() + kv_saved
+        hb = self.hidden_bytes
+        seg_t = [self.segment_bytes(a, b) for a, b in segments]
+        events = [("embedding", 0.0, self.embed_bytes() + hb),
+                  ("loss head", (n_seg + 1) * hb, self.head_bytes())]
+        for k, (_, b) in enumerate(segments):
+            pending = sum(self.kv_bytes[d] for d in saved if d < b)  # dK/dV not yet consumed
+            events.append((f"segment {k} backward", (k + 2) * hb + pending, seg_t[k]))
+        name, alive, transient = max(events, key=lambda e: e[1] + e[2])
+        peak = weights + lora_opt + const + alive + transient
+        return dict(
+            peak=peak, peak_at=name,
+            breakdown=dict(weights=weights, lora_optimizer=lora_opt, boundaries=const + alive,
+                           worst_segment=max(seg_t), head=self.head_bytes()),
+            saved=saved, segment_bytes=seg_t,
+        )
+
+    # --- time -----------------------------------------------------------------------------
+
+    def layer_flops(self) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) FLOPs of each layer for the whole batch."""
+        L, B = self.L, self.B
+        fwd, bwd = [], []
+        for g in self.g.layers:
+            quant = 1.0 + 0.02 * g.bits if g.bits else 1.0  # dequantization work, a guess
+            lin = g.linear_flops * quant * L * B
+            if self.attention == "fused":  # the composed fallback scores every key
+                keys, ratio = L, BWD_ATTN_FUSED
+            else:
+                chunk = _chunk_size(B, g.heads, L, g.window if g.window and g.window < L
+                                    else None)
+                keys = (L + chunk) / 2 if g.window is None or g.window >= L \
+                    else min(L, g.window + chunk / 2)
+                ratio = BWD_ATTN_CHUNKED
+            attn = 4.0 * g.heads * g.head_dim * keys * L * B
+            fwd.append(lin + attn)
+            bwd.append(BWD_LINEAR * lin + ratio * attn)
+        return np.array(fwd), np.array(bwd)
+
+    def relative_step_time(self, n_segments: int) -> float:
+        """Segmented step time over one plain forward+backward (same loss head)."""
+        fwd, bwd = self.layer_flops()
+        rows = self.B * (self.L - 1)
+        head = 2.0 * self.g.hidden * self.g.vocab * rows * 3  # forward + dX
+        base = fwd.sum() + bwd.sum() + head
+        return float(1.0 + fwd.sum() / base + SEGMENT_OVERHEAD * n_segments)
+
+
+# --------------------------------------------------------------------------------------------
+# Search
+
+
+def _best_by_count(cost: CostModel) -> dict[int, list[tuple[int, int]]]:
+    """For every segment count, the contiguous cut minimising the peak (min-max DP).
+
+    The worst backward event of a plan is max_k((k + 2) * boundary + pending dK/dV + S[a_k,
+    b_k]); dp[j][i] is its minimum over plans of layers [0, i) in j segments. Donors whose
+    sharers may stay in their segment (no saved K/V) are a separate branch that forbids cuts
+    between them, so the DP's count is exact in the branch matching a plan's real saved set.
+    """
+    n = cost.g.num_layers
+    S = cost.segment_matrix()
+    hb = cost.hidden_bytes
+    spans = {d: (d, max(r)) for d, r in cost.g.sharers().items()}
+    donors = sorted(spans)
+    branches = (itertools.product([False, True], repeat=len(donors)) if len(donors) <= 4
+                else [tuple([True] * len(donors))])
+    best: dict[int, tuple[float, list[tuple[int, int]]]] = {}
+    for saved_flags in branches:
+        allowed = np.ones(n + 1, bool)
+        pending = np.zeros(n + 1)  # pending[i]: dK/dV alive while a segment ending at i runs
+        for d, saved in zip(donors, saved_flags):
+            lo, hi = spans[d]
+            if saved:
+                pending[d + 1:] += cost.kv_bytes[d]
+            else:
+                allowed[lo + 1: hi + 1] = False
+        allowed[n] = True
+        dp = np.full((n + 1, n + 1), np.inf)  # dp[j, i]
+        arg = np.zeros((n + 1, n + 1), int)
+        dp[1, 1:] = 2 * hb + pending[1:] + S[0, 1:]
+        for j in range(2, n + 1):
+            event = (j + 1) * hb + pending[None, :] + S  # [p, i]
+            cand = np.maximum(dp[j - 1][:, None], event)
+            cand[~allowed, :] = np.inf
+            arg[j] = np.argmin(cand, axis=0)
+            dp[j] = cand[arg[j], np.arange(n + 1)]
+        for j in range(1, n + 1):
+            if not np.isfinite(dp[j, n]):
+                continue
+            cuts, i = [], n
+            for jj in range(j, 0, -1):
+                p = 0 if jj == 1 else int(arg[jj, i])
+                cuts.append((p, i))
+                i = p
+            plan = cuts[::-1]
+            peak = cost.evaluate(plan)["peak"]
+            if j not in best or peak < best[j][0]:
+                best[j] = (peak, plan)
+    return {j: plan for j, (_, plan) in best.items()}
+
+
+def choose(
+    cost: CostModel, target_gb: float | None, time_budget: float | None
+) -> tuple[list[tuple[int, int]], bool, bool, str]:
+    """(segments, meets_target, meets_time_budget, message) under the strategy of the brief:
+    the fewest segments whose peak meets the target, else the minimum-peak plan."""
+    plans = _best_by_count(cost)
+    peaks = {j: cost.evaluate(p)["peak"] for j, p in plans.items()}
+    times = {j: cost.relative_step_time(j) for j in plans}
+    in_time = [j for j in plans if time_budget is None or times[j] <= time_budget]
+    meets_time = bool(in_time)
+    if not in_time:
+        j = min(plans)
+        return plans[j], target_gb is None or peaks[j] <= target_gb * GB, False, (
+            f"time budget {time_budget} is below the fastest plan's relative step time "
+            f"{times[j]:.3f} (the recompute forward alone costs that): returning 1 segment")
+    floor = min(peaks[j] for j in in_time)
+    near_floor = [j for j in in_time if peaks[j] <= floor * (1 + TIE_FRACTION)]
+    j_min = min(near_floor)
+    if target_gb is None:
+        return plans[j_min], True, meets_time, (
+            f"minimum-peak plan: {j_min} segments, {peaks[j_min] / GB:.2f} GB")
+    ok = [j for j in in_time if peaks[j] <= target_gb * GB]
+    if ok:
+        j = min(ok)
+        return plans[j], True, meets_time, (
+            f"{j} segments meet the {target_gb:g} GB target at {peaks[j] / GB:.2f} GB")
+    what = " within the time budget" if time_budget is not None else ""
+    return plans[j_min], False, meets_time, (
+        f"target {target_gb:g} GB cannot be met{what}: the smallest achievable peak is "
+        f"{peaks[j_min] / GB:.2f} GB ({j_min} segments); returning that plan")
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration
+
+
+def _attach_lora(layers: Sequence[nn.Module], rank: int) -> list[tuple[nn.Module, list]]:
+    """Wrap the linears of `layers` in LoRA (if they have none); returns what to restore."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    undo = []
+    for layer in layers:
+        if any(v.size for _, v in tree_flatten(layer.trainable_parameters())):
+            continue
+        originals = _linears(layer)
+        layer.update_modules(tree_unflatten(
+            [(p, LoRALinear.from_base(m, r=rank, scale=20.0)) for p, m in originals]))
+        undo.append((layer, originals))
+    return undo
+
+
+def measure_segment(model: nn.Module, start: int, stop: int, seq_len: int,
+                    batch_size: int = 1, lora_rank: int = 8) -> float:
+    """Peak bytes above the inputs of one segment's vjp, as the engine runs it.
+
+    Runs segback's stack adapter on random hidden states (no embedding or head), with LoRA
+    attached to the segment's layers if the model has none; only those layers are touched.
+    """
+    import gc
+
+    from segback.engine.memory import reset_peak
+    from segback.models.stack import get_stack
+
+    stack = get_stack(model)
+    if any(stack.kv_source[i] < start for i in range(start, stop)):
+        raise ValueError("calibration segment must not read K/V from an earlier segment")
+    layers = stack.layers[start:stop]
+    undo = _attach_lora(layers, lora_rank)
+    try:
+        mx.random.seed(0)
+        outer, args = _text_parts(model)
+        dtype = DTYPES[read_geometry(model).dtype]
+        h = mx.random.normal((batch_size, seq_len, args.hidden_size)).astype(dtype)
+        pli = None
+        if stack.call_layer is not None and getattr(args, "hidden_size_per_layer_input", 0):
+            pli = mx.random.normal((batch_size, seq_len, stack.num_layers,
+                                    args.hidden_size_per_layer_input)).astype(dtype)
+        masks = stack.masks(h)
+        flat = [(i, k, v) for i, layer in enumerate(layers)
+                for k, v in tree_flatten(layer.trainable_parameters())]
+        params = [v for _, _, v in flat]
+        dh = mx.random.normal(h.shape).astype(dtype) * 1e-2
+        mx.eval(h, pli, dh, params, [m for m in masks.values() if isinstance(m, mx.array)],
+                [layer.parameters() for layer in layers])
+
+        def seg_fn(h_in, *leaves):
+            for i, layer in enumerate(layers):
+                own = [(k, v) for (j, k, _), v in zip(flat, leaves) if j == i]
+                layer.update(tree_unflatten(own), strict=False)
+            return [stack.run(start, stop, h_in, masks, pli)[0]]
+
+        gc.collect()
+        reset_peak()
+        base = mx.get_active_memory()
+        _, vjps = mx.vjp(seg_fn, [h, *params], [dh])
+        mx.eval(vjps)
+        peak = mx.get_peak_memory() - base
+        for i, k, v in flat:  # put the untraced leaves back
+            layers[i].update(tree_unflatten([(k, v)]), strict=False)
+        return float(peak)
+    finally:
+        for layer, originals in undo:
+            layer.update_modules(tree_unflatten(originals))
+
+
+def calibration_segments(geom: Geometry) -> list[tuple[int, int]]:
+    """The first full-attention layer alone, and with the layer before it: both attention kinds
+    are measured when the model mixes them, and no segment reads shared K/V."""
+    n = geom.num_layers
+    f = next((i for i, g in enumerate(geom.layers) if g.kind == FULL), 0)
+    if n == 1:
+        return [(0, 1)]
+    return [(f, f + 1), (f - 1, f + 1) if f > 0 else (0, 2)]
+
+
+@contextlib.contextmanager
+def _attention_mode(model: nn.Module, attention: str) -> Iterator[None]:
+    """Measure with the attention the plan is for: route the model's module through
+    segback.engine.attention's chunked sdpa when `attention` is "chunked"."""
+    if attention != "chunked":
+        yield
+        return
+    from segback.engine.attention import use_chunked_attention
+
+    layer = _text_parts(model)[0].model.layers[0]
+    with use_chunked_attention([sys.modules[type(layer).__module__]]):
+        yield
+
+
+def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with x >= 0 by trying every subset of free variables (3 unknowns)."""
+    best, best_res = np.zeros(X.shape[1]), np.inf
+    for k in range(1, X.shape[1] + 1):
+        for cols in itertools.combinations(range(X.shape[1]), k):
+            sol = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
+            if np.any(sol <= 0):
+                continue
+            x = np.zeros(X.shape[1])
+            x[list(cols)] = sol
+            res = float(np.sum((X @ x - y) ** 2))
+            if res < best_res:
+                best, best_res = x, res
+    return best
+
+
+def fit_coefficients(model: nn.Module, geom: Geometry, batch_size: int = 1, lora_rank: int = 8,
+                     attention: str = "fused", lengths: Sequence[int] = CALIBRATION_LENGTHS,
+                     ) -> Coefficients:
+    """Fit the three multipliers to a 1-layer and a 2-layer segment measured at two lengths.
+
+    measured - h_out - dh_in = a * activations + r * kept scores + t * backward scores, one
+    equation per (segment, length), solved by non-negative least squares: the lengths separate
+    the linear from the quadratic terms, the segment sizes what each layer keeps from what only
+    one layer's backward needs. A coefficient the data cannot see stays near its analytic 1.
+    """
+    segs = calibration_segments(geom)
+    rows, ys, measured = [], [], []
+    for a, b in segs:
+        measured.append([])
+        for L in lengths:
+            cost = CostModel(geom, L, batch_size, attention)
+            with _attention_mode(model, attention):
+                m = measure_segment(model, a, b, L, batch_size, lora_rank)
+            measured[-1].append(m / GB)
+            rows.append([cost.act[a:b].sum() + cost.bwd[a:b].max(),
+                         cost.attn_retained[a:b].sum(), cost.attn_transient[a:b].max()])
+            ys.append(m - 2 * cost.hidden_bytes)
+    X, y = np.array(rows), np.array(ys)
+    scale = X.max(axis=0)
+    scale[scale == 0] = 1.0
+    sol = _nonneg_lstsq(X / scale, y) / scale
+    sol = np.where(X.max(axis=0) > 0, np.clip(sol, 0.05, 100.0), 1.0)
+    return Coefficients(*map(float, sol), calibrated=True, lengths=list(lengths),
+                        segments=[list(s) for s in segs], measured_gb=measured)
+
+
+# --------------------------------------------------------------------------------------------
+# API and CLI
+
+
+def plan_segments(
+    model_or_config: nn.Module | dict | str,
+    seq_len: int,
+    batch_size: int = 1,
+    target_gb: float | None = None,
+    time_budget: float | None = None,
+    calibrate: bool = False,
+    lora_rank: int = 8,
+    lora_layers: int | None = None,
+    dtype: str | None = None,
+    attention: str = "fused",
+    quant_bits: int | None = None,
+    calibration_lengths: Sequence[int] = CALIBRATION_LENGTHS,
+    coefficients: Coefficients | dict | None = None,
+    segments: Any = None,
+) -> dict[str, Any]:
+    """Plan the segments of a segmented backward; returns the plan dict of plan.schema.json.
+
+    `model_or_config` is an mlx-lm model, a config dict, a geometry name (segback.models.geometry)
+    or an MLX checkpoint directory; the last three are read lazily, nothing is materialized.
+    `quant_bits` quantizes a config/geometry (a model or checkpoint carries its own bits);
+    calibrating a config/geometry builds it with random weights.
+    `coefficients` reuses an earlier calibration (a plan's `inputs.calibration`); `segments`
+    (ranges or layers per segment, as the engine takes them) skips the search and only predicts.
+    """
+    if seq_len < 2:
+        raise ValueError("seq_len must be at least 2")
+    if calibrate and _is_lazy_random(model_or_config):  # measuring needs real weights
+        from segback.models.geometry import build_model, geometry_config
+
+        if dtype is None:  # bfloat16 matmuls are slow on CPU
+            dtype = "bfloat16" if mx.default_device() == mx.gpu else "float32"
+        config = model_or_config if isinstance(model_or_config, dict) \
+            else geometry_config(model_or_config)
+        model_id = str(model_or_config if isinstance(model_or_config, str)
+                       else config["model_type"])
+        model_or_config = build_model(config, dtype=DTYPES[dtype], quantize_bits=quant_bits)
+    else:
+        model_id = None
+    model, default_id = resolve_model(model_or_config, dtype, quant_bits)
+    model_id = model_id or default_id
+    geom = read_geometry(model, lora_rank, lora_layers, dtype, model_id)
+    coef = Coefficients(**coefficients) if isinstance(coefficients, dict) else \
+        coefficients or Coefficients()
+    if calibrate:
+        coef = fit_coefficients(model, geom, batch_size, lora_rank, attention, calibration_lengths)
+    cost = CostModel(geom, seq_len, batch_size, attention, coef)
+    if segments is None:
+        segments, meets_target, meets_time, message = choose(cost, target_gb, time_budget)
+    else:
+        from segback.engine.segmented import resolve_segments
+
+        segments = resolve_segments(segments, geom.num_layers)
+        peak = cost.evaluate(segments)["peak"]
+        meets_target = target_gb is None or peak <= target_gb * GB
+        meets_time = time_budget is None or cost.relative_step_time(len(segments)) <= time_budget
+        message = f"given plan of {len(segments)} segments: {peak / GB:.2f} GB"
+    ev = cost.evaluate(segments)
+    sharers = geom.sharers()
+    saved_kv = [dict(donor=d, kind=geom.layers[d].kind, read_by_segments=ks,
+                     sharer_layers=sharers[d], gb=cost.kv_bytes[d] / GB)
+                for d, ks in sorted(ev["saved"].items())]
+    return dict(
+        segments=[[a, b] for a, b in segments],
+        saved_kv=saved_kv,
+        predicted_peak_gb=ev["peak"] / GB,
+        breakdown={k: v / GB for k, v in ev["breakdown"].items()},
+        peak_at=ev["peak_at"],
+        segment_gb=[x / GB for x in ev["segment_bytes"]],
+        predicted_relative_step_time=cost.relative_step_time(len(segments)),
+        meets_target=bool(meets_target),
+        meets_time_budget=bool(meets_time),
+        message=message,
+        layer_types=[g.kind for g in geom.layers],
+        inputs=dict(
+            model=model_id,
+            model_type=geom.model_type,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            target_gb=target_gb,
+            time_budget=time_budget,
+            dtype=geom.dtype,
+            attention=attention,
+            lora_rank=lora_rank,
+            lora_layers=lora_layers,
+            quant_bits=quant_bits if quant_bits is not None else
+            (geom.quant_bits[0] if len(geom.quant_bits) == 1 else geom.quant_bits or None),
+            calibration=asdict(coef) if coef.calibrated else None,
+        ),
+    )
+
+
+def _is_lazy_random(model_or_config: Any) -> bool:
+    """A config dict or geometry name (an nn.Module is a dict too, hence the first check)."""
+    if isinstance(model_or_config, nn.Module):
+        return False
+    return isinstance(model_or_config, dict) or not Path(model_or_config).is_dir()
+
+
+def validate(plan: dict[str, Any]) -> None:
+    """Raise jsonschema.ValidationError unless `plan` matches workflow/schemas/plan.schema.json."""
+    import json
+
+    import jsonschema
+
+    schema = json.loads(SCHEMA_PATH.read_text())
+    jsonschema.Draft202012Validator(schema).validate(plan)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="MLX checkpoint directory or geometry name (e.g. e4b, tiny-llama)")
+    parser.add_argument("--seq", type=int, required=True, help="sequence length L")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--target-gb", type=float, default=None, help="peak memory target")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="max step time relative to a plain forward+backward (e.g. 1.5)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure a 1- and a 2-layer segment at two lengths and fit the "
+                        "cost model (a geometry is built with random weights)")
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-layers", type=int, default=None,
+                        help="LoRA on the last N layers (default: all)")
+    parser.add_argument("--attention", choices=["fused", "chunked"], default="fused")
+    parser.add_argument("--quant-bits", type=int, default=None,
+                        help="quantize a geometry's weights to N bits (checkpoints carry theirs)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="compute dtype (default: the checkpoint's, bfloat16 for geometries)")
+    parser.add_argument("--out", required=True, help="plan JSON to write")
+
+
+def main(args: argparse.Namespace) -> int:
+    from segback.io import atomic_write_json
+
+    plan = plan_segments(args.model, args.seq, args.batch, args.target_gb, args.time_budget,
+                         args.calibrate, args.lora_rank, args.lora_layers, args.dtype,
+                         args.attention, args.quant_bits)
+    plan["inputs"]["model"] = str(args.model)
+    validate(plan)
+    atomic_write_json(args.out, plan)
+    print(describe(plan))
+    print(f"predicted peak {plan['predicted_peak_gb']:.2f} GB (at {plan['peak_at']}), "
+          f"relative step time {plan['predicted_relative_step_time']:.2f}")
+    if not (plan["meets_target"] and plan["meets_time_budget"]):
+        print(f"warning: {plan['message']}", file=sys.stderr)
+    return 0
+
+
+def describe(plan: dict[str, Any]) -> str:
+    """One line per segment, for humans."""
+    lines = [plan["message"]]
+    for (a, b), gb in zip(plan["segments"], plan["segment_gb"]):
+        kinds = "".join("F" if plan["layer_types"][i] == FULL else "s" for i in range(a, b))
+        lines.append(f"  [{a:>2}, {b:>2}) {kinds:<8} {gb:7.2f} GB")
+    return "\n".join(lines)
+
+
+__all__ = ["plan_segments", "read_geometry", "CostModel", "fit_coefficients", "measure_segment",
+           "validate", "add_arguments", "main"]
