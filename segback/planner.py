@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 GB = 1024**3  # as segback.engine.memory
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "plan.schema.json"
@@ -270,22 +270,11 @@ def read_geometry(
 
 def lazy_model(config: dict, dtype: mx.Dtype = mx.bfloat16, quant_bits: int | None = None,
                group_size: int = 64) -> nn.Module:
-    """An mlx-lm model from a config dict whose weights are never materialized.
+    """An mlx-lm model from a config dict whose weights are never materialized."""
+    from segback.models.geometry import build_model
 
-    MLX is lazy: the random init, the cast and the quantization stay unevaluated graph nodes, so
-    shapes and byte counts are known without allocating e4b's ~16 GB of float32.
-    """
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating)
-                          else p, model.parameters()))
-    if quant_bits:
-        nn.quantize(model, group_size=group_size, bits=quant_bits,
-                    class_predicate=lambda _, m: hasattr(m, "to_quantized")
-                    and m.weight.shape[-1] % group_size == 0)
-    return model
+    return build_model(config, dtype=dtype, quantize_bits=quant_bits, group_size=group_size,
+                       materialize=False)
 
 
 def resolve_model(

@@ -68,6 +68,12 @@ GEOMETRIES: dict[str, dict] = {
         hidden_size_per_layer_input=256, sliding_window=512, layer_types=_E4B_TYPES,
         final_logit_softcapping=30.0, tie_word_embeddings=True,
     ),
+    # A small dense model with a real-sized vocabulary, for CPU benchmarks in minutes.
+    "dense-256": dict(
+        model_type="llama", hidden_size=256, num_hidden_layers=8, intermediate_size=768,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=32000,
+        tie_word_embeddings=False,
+    ),
     # The dense model of DESIGN.md's CPU measurements (16-layer llama, hidden 512, vocab 8192).
     "dense-512": dict(
         model_type="llama", hidden_size=512, num_hidden_layers=16, intermediate_size=1536,
@@ -98,8 +104,13 @@ def build_model(
     dtype: mx.Dtype = mx.float32,
     quantize_bits: int | None = None,
     group_size: int = 64,
+    materialize: bool = True,
 ) -> nn.Module:
-    """Instantiate an mlx-lm model from a config dict (or geometry name) with random weights."""
+    """Instantiate an mlx-lm model from a config dict (or geometry name) with random weights.
+
+    With `materialize=False` nothing is evaluated: MLX is lazy, so the init, cast and
+    quantization stay graph nodes and shapes/bytes are known without allocating the weights.
+    """
     cfg = geometry_config(config) if isinstance(config, str) else copy.deepcopy(config)
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(seed)
@@ -110,7 +121,8 @@ def build_model(
         nn.quantize(model, group_size=group_size, bits=quantize_bits,
                     class_predicate=lambda _, m: hasattr(m, "to_quantized")
                     and m.weight.shape[-1] % group_size == 0)
-    mx.eval(model.parameters())
+    if materialize:
+        mx.eval(model.parameters())
     return model
 
 
