@@ -156,6 +156,13 @@ def _lora_parameters(cfg: TrainConfig) -> dict:
 def resolve_plan(plan: Any, model: nn.Module, seq: int, batch_size: int, lora_rank: int = 8,
                  num_layers: int = -1) -> list[tuple[int, int]]:
     """Segments from `auto` (the planner), a plan JSON file, an int or a list of ranges."""
+    return resolve_plan_and_attention(plan, model, seq, batch_size, lora_rank, num_layers)[0]
+
+
+def resolve_plan_and_attention(plan: Any, model: nn.Module, seq: int, batch_size: int,
+                               lora_rank: int = 8, num_layers: int = -1
+                               ) -> tuple[list[tuple[int, int]], str]:
+    """Segments and the attention kind ("fused" / "chunked") a plan was made for."""
     from segback.engine import resolve_segments
 
     if plan is None or plan == "auto":
@@ -171,7 +178,10 @@ def resolve_plan(plan: Any, model: nn.Module, seq: int, batch_size: int, lora_ra
         if not Path(plan).is_file():
             raise ValueError(f"--plan {plan}: not 'auto', an integer or a plan JSON file")
         plan = read_json(plan)
-    return resolve_segments(plan, len(model.layers))
+    attention = "fused"
+    if isinstance(plan, dict):
+        attention = plan.get("attention") or plan.get("inputs", {}).get("attention") or "fused"
+    return resolve_segments(plan, len(model.layers)), attention
 
 
 def build_schedule(cfg: TrainConfig) -> Callable:
@@ -377,8 +387,8 @@ def train(
     model.set_dtype(dtype)
     attach_lora(model, cfg)
     model.train()
-    segments = resolve_plan(cfg.plan, model, cfg.seq, cfg.batch_size, cfg.lora_rank,
-                            cfg.num_layers)
+    segments, attention = resolve_plan_and_attention(
+        cfg.plan, model, cfg.seq, cfg.batch_size, cfg.lora_rank, cfg.num_layers)
     schedule = build_schedule(cfg)
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
 
@@ -411,7 +421,8 @@ def train(
 
     n_trainable = sum(v.size for v in adapter_weights(model).values())
     print(f"segback: {n_trainable / 1e6:.3f}M trainable parameters, {len(segments)} segments "
-          f"{segments}, dtype {dtype}, {len(train_set)} train examples", file=sys.stderr)
+          f"{segments}, {attention} attention, dtype {dtype}, {len(train_set)} train examples",
+          file=sys.stderr)
 
     def validate(step: int) -> None:
         if valid_set is None or cfg.val_every <= 0 or cfg.val_batches == 0:
@@ -438,7 +449,7 @@ def train(
             tic = time.perf_counter()
             lr = schedule(mx.array(step - 1)).item()  # what this step's update will use
             loss_v, norm_v, grads, toks_v, input_tokens = _gradients(
-                model, train_set, step, segments, cfg, value_and_grad)
+                model, train_set, step, segments, cfg, value_and_grad, attention)
             if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
                 _diverged(log, out, step, f"loss {loss_v}, grad norm {norm_v}", last_saved)
             optimizer.update(model, grads)
@@ -507,7 +518,8 @@ def train(
 
 
 def _gradients(model: nn.Module, train_set: TokenDataset, step: int, segments: list,
-               cfg: TrainConfig, value_and_grad: Callable) -> tuple[float, float, Any, int, int]:
+               cfg: TrainConfig, value_and_grad: Callable, attention: str = "fused"
+               ) -> tuple[float, float, Any, int, int]:
     """Step `step`'s accumulated, averaged and clipped gradients (one eval per micro-batch).
 
     Returns (mean loss, grad norm before clipping, grads, loss tokens, input tokens).
@@ -518,7 +530,8 @@ def _gradients(model: nn.Module, train_set: TokenDataset, step: int, segments: l
         batch, lengths = batch_at(train_set, index, cfg.batch_size, cfg.seed, cfg.seq)
         input_tokens += int(mx.sum(lengths[:, 1] + 1).item())
         mx.random.seed(_micro_seed(cfg.seed, index))
-        (loss, toks), grads = value_and_grad(model, batch, lengths, segments)
+        (loss, toks), grads = value_and_grad(model, batch, lengths, segments,
+                                             attention=attention)
         acc = grads if acc is None else tree_map(mx.add, acc, grads)
         loss_sum, ntoks = loss_sum + loss, ntoks + toks
         if j < cfg.grad_accum - 1:

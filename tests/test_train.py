@@ -253,8 +253,8 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(model_dir, data_dir, tmp
     real = segback.engine.value_and_grad
     calls = []
 
-    def poisoned(model, batch, lengths, segments):
-        (loss, ntoks), grads = real(model, batch, lengths, segments)
+    def poisoned(model, batch, lengths, segments, **kwargs):
+        (loss, ntoks), grads = real(model, batch, lengths, segments, **kwargs)
         calls.append(1)
         return (loss * (mx.nan if len(calls) == 5 else 1.0), ntoks), grads  # step 5's batch
 
@@ -300,3 +300,15 @@ def test_yaml_config_and_cli_precedence(tmp_path):
         trainer.TrainConfig.from_dict({"learning_rat": 1})
     with pytest.raises(ValueError, match="--data"):
         trainer.config_from_args(parse(["--model", "tiny-llama", "--adapter-path", "o"]))
+
+
+def test_plan_attention_reaches_the_engine(tmp_path):
+    """A plan made for chunked attention trains with chunked attention."""
+    from segback.models.geometry import build_model
+    from segback.train import resolve_plan_and_attention
+
+    model = build_model("tiny-llama")
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"segments": [[0, 2], [2, 4]], "inputs": {"attention": "chunked"}}')
+    assert resolve_plan_and_attention(str(plan), model, 64, 1) == ([(0, 2), (2, 4)], "chunked")
+    assert resolve_plan_and_attention("2", model, 64, 1) == ([(0, 2), (2, 4)], "fused")
