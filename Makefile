@@ -18,7 +18,7 @@ $(BIN)/segback: pyproject.toml
 setup: $(BIN)/segback
 
 run: setup
-	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores 1 --configfile $(CONFIG)
+	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores 1 --rerun-incomplete --configfile $(CONFIG)
 
 report: setup
 	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores 1 --report results/report.html --configfile $(CONFIG)

@@ -142,6 +142,14 @@ def _probs(
     return fn(s, mask, scale).reshape(B, Hkv, n, kv)
 
 
+def _chunks(Lq: int, chunk: int, offset: int, window: int | None):
+    """(q0, q1, k0, k1, mask) for each query chunk: its rows, visible keys and their mask."""
+    for q0 in range(0, Lq, chunk):
+        q1 = min(q0 + chunk, Lq)
+        k0, k1 = _key_range(q0, q1, offset, window)
+        yield q0, q1, k0, k1, _chunk_mask(q0, q1, k0, k1, offset, window)
+
+
 def _q_chunk(x: mx.array, q0: int, q1: int) -> mx.array:
     """Rows [q0, q1) of a [B, Hkv, rep, L, D] array as [B, Hkv, rep * c, D]."""
     B, Hkv, rep, _, D = x.shape
@@ -174,10 +182,7 @@ def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: b
         B, H, Lq, D = queries.shape
         q5, rep, offset = split(queries, keys)
         outs = []
-        for q0 in range(0, Lq, chunk):
-            q1 = min(q0 + chunk, Lq)
-            k0, k1 = _key_range(q0, q1, offset, window)
-            mask = _chunk_mask(q0, q1, k0, k1, offset, window)
+        for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window):
             qc = _q_chunk(q5, q0, q1)
             if outs:
                 qc = mx.depends(qc, outs[-1])  # one chunk's scores alive at a time (see vjp)
@@ -200,10 +205,7 @@ def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: b
         dk = mx.zeros((B, Hkv, Lk, D), mx.float32)
         dv = mx.zeros((B, Hkv, Lk, D), mx.float32)
         dqs = []
-        for q0 in range(0, Lq, chunk):
-            q1 = min(q0 + chunk, Lq)
-            k0, k1 = _key_range(q0, q1, offset, window)
-            mask = _chunk_mask(q0, q1, k0, k1, offset, window)
+        for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window):
             qc = _q_chunk(q5, q0, q1)
             if dqs:
                 # Chunks run in order, each after the last one's results: without this, the
