@@ -182,7 +182,7 @@ def test_calibrated_prediction_matches_engine(name, attention):
     coef = fit_coefficients(model, geom, attention=attention)  # 1, 2 layers at L = 512, 1024
     assert coef.calibrated and coef.activation > 0 and coef.attention > 0
     grads = geom.lora_params * 4
-    for seq_len in (256, 512, 1024):
+    for seq_len in (512, 1024, 2048):  # activations dominate fixed overheads
         chosen = plan_segments(model, seq_len, coefficients=coef, attention=attention)
         validate(chosen)
         assert chosen["inputs"]["calibration"]["segments"] == coef.segments
