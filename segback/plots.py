@@ -42,17 +42,21 @@ def plot_loss(train: list[dict], val: list[dict], title: str = ""):
     x, y = _series(val, "val_loss")
     if x:
         ax.plot(x, y, marker="o", label="validation loss")
+    _finish(ax, "no loss rows in the log", "loss (nats/token)", title or "Training loss")
+    return fig
+
+
+def _finish(ax, empty: str, ylabel: str, title: str) -> None:
+    """Legend (or a note when nothing was plotted), step axis, labels and grid."""
     if not ax.lines:
-        ax.text(0.5, 0.5, "no loss rows in the log", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
     else:
         ax.legend()
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title or "Training loss")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    return fig
 
 
 def plot_memory(train: list[dict], title: str = ""):
@@ -63,17 +67,9 @@ def plot_memory(train: list[dict], title: str = ""):
         x, y = _series(train, key)
         if x:
             ax.plot(x, y, marker="." if len(x) < 50 else None, label=label)
-    if not ax.lines:
-        ax.text(0.5, 0.5, "no memory rows in the log", ha="center", va="center",
-                transform=ax.transAxes)
-    else:
-        ax.legend()
+    if ax.lines:
         ax.set_ylim(bottom=0)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("step")
-    ax.set_ylabel("memory (GB)")
-    ax.set_title(title or "Memory per training step")
-    ax.grid(alpha=0.3)
+    _finish(ax, "no memory rows in the log", "memory (GB)", title or "Memory per training step")
     return fig
 
 

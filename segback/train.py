@@ -153,17 +153,12 @@ def _lora_parameters(cfg: TrainConfig) -> dict:
     return p
 
 
-def resolve_plan(plan: Any, model: nn.Module, seq: int, batch_size: int, lora_rank: int = 8,
-                 num_layers: int = -1) -> list[tuple[int, int]]:
-    """Segments from `auto` (the planner), a plan JSON file, an int or a list of ranges."""
-    return resolve_plan_and_attention(plan, model, seq, batch_size, lora_rank, num_layers)[0]
-
-
 def resolve_plan_and_attention(plan: Any, model: nn.Module, seq: int, batch_size: int,
                                lora_rank: int = 8, num_layers: int = -1
                                ) -> tuple[list[tuple[int, int]], str]:
     """Segments and the attention kind ("fused" / "chunked") a plan was made for."""
     from segback.engine import resolve_segments
+    from segback.engine.segmented import plan_attention
 
     if plan is None or plan == "auto":
         try:
@@ -178,10 +173,7 @@ def resolve_plan_and_attention(plan: Any, model: nn.Module, seq: int, batch_size
         if not Path(plan).is_file():
             raise ValueError(f"--plan {plan}: not 'auto', an integer or a plan JSON file")
         plan = read_json(plan)
-    attention = "fused"
-    if isinstance(plan, dict):
-        attention = plan.get("attention") or plan.get("inputs", {}).get("attention") or "fused"
-    return resolve_segments(plan, len(model.layers)), attention
+    return resolve_segments(plan, len(model.layers)), plan_attention(plan)
 
 
 def build_schedule(cfg: TrainConfig) -> Callable:

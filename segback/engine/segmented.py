@@ -52,6 +52,13 @@ def resolve_segments(segments: Any, num_layers: int) -> list[tuple[int, int]]:
     return out
 
 
+def plan_attention(plan: Any, default: str = "fused") -> str:
+    """The attention kind a plan dict was made for (its own key or its `inputs`), else default."""
+    if isinstance(plan, dict):
+        return plan.get("attention") or plan.get("inputs", {}).get("attention") or default
+    return default
+
+
 def _split_trainable(model: nn.Module, stack: Stack):
     """Flat trainable leaves: per layer {key: array}, and those outside the layers."""
     flat = dict(tree_flatten(model.trainable_parameters()))
@@ -64,7 +71,7 @@ def _split_trainable(model: nn.Module, stack: Stack):
             per_layer[int(i)][rest] = v
         else:
             outer[k] = v
-    return flat, per_layer, outer
+    return per_layer, outer
 
 
 def _binder(module: nn.Module, keys: list[str]):
@@ -87,9 +94,7 @@ def value_and_grad(
     `attention="chunked"` runs mlx-lm's layers with `chunked_sdpa` (O(L) attention backward,
     masks as descriptors); "fused" keeps mx.fast's kernel. A plan's own "attention" wins.
     """
-    if isinstance(segments, dict):
-        attention = segments.get("attention", segments.get("inputs", {}).get("attention",
-                                                                             attention))
+    attention = plan_attention(segments, attention)
     if attention not in ("fused", "chunked"):
         raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
     stack = get_stack(model)
@@ -104,7 +109,7 @@ def value_and_grad(
 
 def _value_and_grad(model, stack, batch, lengths, segments, head_max_elements, chunked=False):
     segs = resolve_segments(segments, stack.num_layers)
-    flat, per_layer, outer = _split_trainable(model, stack)
+    per_layer, outer = _split_trainable(model, stack)
     lengths_np = np.array(lengths).reshape(-1, 2)
     inputs = batch[:, :-1]
     need_input_grad = bool(outer)  # embedding-side params are trainable: thread dh back
