@@ -89,6 +89,16 @@ def default_chunk_size(
     return max(1, min(chunk, q_len))
 
 
+def attention_shape(
+    batch: int, heads: int, q_len: int, k_len: int, window: int | None,
+    chunk_size: int | None = None,
+) -> tuple[int | None, int]:
+    """(window, chunk) as the kernels take them: a window covering every key becomes None."""
+    if window is not None and window >= k_len:
+        window = None  # the window covers everything: plain causal
+    return window, chunk_size or default_chunk_size(batch, heads, q_len, k_len, window)
+
+
 def _key_range(q0: int, q1: int, offset: int, window: int | None) -> tuple[int, int]:
     """Keys [k0, k1) seen by queries [q0, q1) (query i sits at key position i + offset)."""
     k1 = q1 + offset
@@ -164,14 +174,84 @@ def _add_rows(acc: mx.array, update: mx.array, start: int) -> mx.array:
     )
 
 
+def _split(queries: mx.array, keys: mx.array) -> tuple[mx.array, int, int]:
+    """Queries as [B, Hkv, rep, Lq, D], the GQA repeat, and the query offset Lk - Lq."""
+    B, H, Lq, D = queries.shape
+    Hkv, Lk = keys.shape[1], keys.shape[2]
+    rep = H // Hkv
+    return queries.reshape(B, Hkv, rep, Lq, D), rep, Lk - Lq
+
+
+def attention_forward(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None,
+    chunk: int,
+) -> mx.array:
+    """Chunked causal/sliding attention output [B, H, Lq, D]; one chunk's scores alive at once."""
+    B, H, Lq, D = queries.shape
+    q5, rep, offset = _split(queries, keys)
+    outs = []
+    for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window):
+        qc = _q_chunk(q5, q0, q1)
+        if outs:
+            qc = mx.depends(qc, outs[-1])  # one chunk's scores alive at a time
+        p = _probs(qc, keys[:, :, k0:k1], scale, mask, rep)
+        o = p.astype(values.dtype) @ values[:, :, k0:k1]
+        outs.append(o.reshape(B, -1, rep, q1 - q0, values.shape[-1]))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, H, Lq, values.shape[-1])
+
+
+def attention_backward(
+    queries: mx.array, keys: mx.array, values: mx.array, output: mx.array,
+    d_output: mx.array, scale: float, window: int | None, chunk: int,
+    delta: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(dQ, dK, dV) of `attention_forward`, recomputing each query chunk's scores.
+
+    `delta` = rowsum(dO * O) in float32, [B, H, Lq, 1]; given, `output` may be None (a caller
+    that computed delta tile by tile need not keep O alive).
+    """
+    B, H, Lq, D = queries.shape
+    Hkv, Lk = keys.shape[1], keys.shape[2]
+    q5, rep, offset = _split(queries, keys)
+    do5 = d_output.reshape(B, Hkv, rep, Lq, D)
+    if delta is None:
+        # rowsum(dO * O): the softmax-gradient correction, O(L * D) for all rows at once.
+        o5 = output.reshape(B, Hkv, rep, Lq, D)
+        delta5 = (do5.astype(mx.float32) * o5.astype(mx.float32)).sum(-1, keepdims=True)
+    else:
+        delta5 = delta.reshape(B, Hkv, rep, Lq, 1)
+    dk = mx.zeros((B, Hkv, Lk, D), mx.float32)
+    dv = mx.zeros((B, Hkv, Lk, D), mx.float32)
+    dqs = []
+    for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window):
+        qc = _q_chunk(q5, q0, q1)
+        if dqs:
+            # Chunks run in order, each after the last one's results: without this, the
+            # scheduler may start many chunks at once and hold their scores together.
+            qc = mx.depends(qc, [dqs[-1], dk, dv])
+        kc, vc = keys[:, :, k0:k1], values[:, :, k0:k1]
+        doc = _q_chunk(do5, q0, q1)
+        p = _probs(qc, kc, scale, mask, rep)
+        dv_c = p.astype(doc.dtype).swapaxes(-1, -2) @ doc
+        dp = doc @ vc.swapaxes(-1, -2)
+        ds = (_dscores_fused if FUSE_ELEMENTWISE else _dscores)(
+            p, dp, _q_chunk(delta5, q0, q1), scale
+        ).astype(queries.dtype)
+        dqs.append((ds @ kc).reshape(B, Hkv, rep, q1 - q0, D))
+        dk_c = ds.swapaxes(-1, -2) @ qc
+        dk = _add_rows(dk, dk_c, k0)
+        dv = _add_rows(dv, dv_c, k0)
+    dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
+    return (
+        dq.reshape(B, H, Lq, D).astype(queries.dtype),
+        dk.astype(keys.dtype),
+        dv.astype(values.dtype),
+    )
+
+
 def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: bool):
     """Build the custom-VJP attention for fixed static arguments (cached by the caller)."""
-
-    def split(queries: mx.array, keys: mx.array) -> tuple[mx.array, int, int]:
-        B, H, Lq, D = queries.shape
-        Hkv, Lk = keys.shape[1], keys.shape[2]
-        rep = H // Hkv
-        return queries.reshape(B, Hkv, rep, Lq, D), rep, Lk - Lq
 
     @mx.custom_function
     def attend(queries: mx.array, keys: mx.array, values: mx.array) -> mx.array:
@@ -179,56 +259,12 @@ def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: b
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask="causal"
             )
-        B, H, Lq, D = queries.shape
-        q5, rep, offset = split(queries, keys)
-        outs = []
-        for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window):
-            qc = _q_chunk(q5, q0, q1)
-            if outs:
-                qc = mx.depends(qc, outs[-1])  # one chunk's scores alive at a time (see vjp)
-            p = _probs(qc, keys[:, :, k0:k1], scale, mask, rep)
-            o = p.astype(values.dtype) @ values[:, :, k0:k1]
-            outs.append(o.reshape(B, -1, rep, q1 - q0, values.shape[-1]))
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
-        return out.reshape(B, H, Lq, values.shape[-1])
+        return attention_forward(queries, keys, values, scale, window, chunk)
 
     @attend.vjp
     def attend_vjp(primals, cotangent, output):
         queries, keys, values = primals
-        B, H, Lq, D = queries.shape
-        Hkv, Lk = keys.shape[1], keys.shape[2]
-        q5, rep, offset = split(queries, keys)
-        do5 = cotangent.reshape(B, Hkv, rep, Lq, D)
-        o5 = output.reshape(B, Hkv, rep, Lq, D)
-        # delta = rowsum(dO * O): the softmax-gradient correction, O(L * D) for all rows at once.
-        delta5 = (do5.astype(mx.float32) * o5.astype(mx.float32)).sum(-1, keepdims=True)
-        dk = mx.zeros((B, Hkv, Lk, D), mx.float32)
-        dv = mx.zeros((B, Hkv, Lk, D), mx.float32)
-        dqs = []
-        for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window):
-            qc = _q_chunk(q5, q0, q1)
-            if dqs:
-                # Chunks run in order, each after the last one's results: without this, the
-                # scheduler may start many chunks at once and hold their scores together.
-                qc = mx.depends(qc, [dqs[-1], dk, dv])
-            kc, vc = keys[:, :, k0:k1], values[:, :, k0:k1]
-            doc = _q_chunk(do5, q0, q1)
-            p = _probs(qc, kc, scale, mask, rep)
-            dv_c = p.astype(doc.dtype).swapaxes(-1, -2) @ doc
-            dp = doc @ vc.swapaxes(-1, -2)
-            ds = (_dscores_fused if FUSE_ELEMENTWISE else _dscores)(
-                p, dp, _q_chunk(delta5, q0, q1), scale
-            ).astype(queries.dtype)
-            dqs.append((ds @ kc).reshape(B, Hkv, rep, q1 - q0, D))
-            dk_c = ds.swapaxes(-1, -2) @ qc
-            dk = _add_rows(dk, dk_c, k0)
-            dv = _add_rows(dv, dv_c, k0)
-        dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
-        return (
-            dq.reshape(B, H, Lq, D).astype(queries.dtype),
-            dk.astype(keys.dtype),
-            dv.astype(values.dtype),
-        )
+        return attention_backward(queries, keys, values, output, cotangent, scale, window, chunk)
 
     return attend
 
@@ -260,9 +296,7 @@ def chunked_sdpa(
         raise ValueError(f"{H} query heads cannot share {Hkv} key/value heads")
     if Lq > Lk:
         raise ValueError(f"more queries ({Lq}) than keys ({Lk})")
-    if window is not None and window >= Lk:
-        window = None  # the window covers everything: plain causal
-    chunk = chunk_size or default_chunk_size(B, H, Lq, Lk, window)
+    window, chunk = attention_shape(B, H, Lq, Lk, window, chunk_size)
     fused = FUSED_FORWARD and window is None and mx.default_device() == mx.gpu
     return _cached_chunked(float(scale), window, int(chunk), fused)(queries, keys, values)
 
@@ -289,6 +323,9 @@ def sdpa_for_mlx_lm(
     inference with a cache, attention sinks, explicit mask arrays (which we cannot read without
     evaluating them) and `mask=None`.
     """
+    hook = getattr(cache, "segback_attend", None)
+    if hook is not None:  # the tiled engine's stand-in cache (segback.engine.tiled.TileCache)
+        return hook(queries, keys, values, scale)
     chunkable = isinstance(mask, MaskSpec) or _is_causal_string(mask)
     if cache is not None or sinks is not None or not chunkable:
         if isinstance(mask, MaskSpec):

@@ -80,6 +80,16 @@ def _binder(module: nn.Module, keys: list[str]):
     return bind
 
 
+def plan_option(plan: Any, key: str, default: Any) -> Any:
+    """A plan dict's own setting for `key` (top level or its `inputs`), else `default`."""
+    if isinstance(plan, dict):
+        if plan.get(key) is not None:
+            return plan[key]
+        if plan.get("inputs", {}).get(key) is not None:
+            return plan["inputs"][key]
+    return default
+
+
 def value_and_grad(
     model: nn.Module,
     batch: mx.array,
@@ -87,21 +97,34 @@ def value_and_grad(
     segments: Any = None,
     head_max_elements: int = DEFAULT_MAX_ELEMENTS,
     attention: str = "fused",
+    tile: int | None = None,
+    offload: bool = False,
+    stats: dict | None = None,
 ) -> tuple[tuple[mx.array, mx.array], dict]:
     """Drop-in for `nn.value_and_grad(model, default_loss)(model, batch, lengths)`.
 
     Returns ((loss, ntoks), grads) with grads shaped like `model.trainable_parameters()`.
     `attention="chunked"` runs mlx-lm's layers with `chunked_sdpa` (O(L) attention backward,
-    masks as descriptors); "fused" keeps mx.fast's kernel. A plan's own "attention" wins.
+    masks as descriptors); "fused" keeps mx.fast's kernel. `tile` (tokens) runs each layer's
+    token-wise parts a tile at a time, forward and backward (implies chunked attention);
+    `offload` parks boundaries and per-layer inputs in host memory (with `tile`). A plan's own
+    "attention", "tile" and "offload" win. `stats`, if given, receives "host_gb".
     """
     attention = plan_attention(segments, attention)
+    tile = plan_option(segments, "tile", tile)
+    offload = bool(plan_option(segments, "offload", offload))
     if attention not in ("fused", "chunked"):
         raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
+    if offload and not tile:
+        raise ValueError("offload needs a tile size (tile=...): it is part of the tiled engine")
     stack = get_stack(model)
-    if attention == "chunked":
+    if attention == "chunked" or tile:
         from segback.engine.attention import use_chunked_attention
 
         with use_chunked_attention([stack.module]):
+            if tile:
+                return _value_and_grad_tiled(model, stack, batch, lengths, segments,
+                                             head_max_elements, int(tile), offload, stats)
             return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements,
                                    chunked=True)
     return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements)
@@ -223,3 +246,137 @@ def _value_and_grad(model, stack, batch, lengths, segments, head_max_elements, c
     grads = tree_map_with_path(lambda path, _: grads_flat[path], model.trainable_parameters())
     return (loss, ntoks), grads
 
+
+
+def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_elements, tile,
+                          offload, stats):
+    """The segmented backward with sequence-tiled layers (see `segback.engine.tiled`).
+
+    A segment [a, b) keeps only its input boundary; its backward recomputes the boundaries
+    inside it, then walks its layers in reverse, each layer's VJP tile by tile.
+    """
+    from segback.engine.tiled import HostStore, LayerCall, bind_layer, layer_forward, layer_vjp
+    from segback.engine.tiled import tiles as token_tiles
+
+    segs = resolve_segments(segments, stack.num_layers)
+    per_layer, outer = _split_trainable(model, stack)
+    lengths_np = np.array(lengths).reshape(-1, 2)
+    inputs = batch[:, :-1]
+    L = inputs.shape[1]
+    need_input_grad = bool(outer)
+    seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
+    store = HostStore(offload)
+    outer_keys = list(outer)
+    bind_outer = _binder(model, outer_keys)
+    outer_vals = [outer[k] for k in outer_keys]
+    spans = token_tiles(L, tile)
+
+    # Embedding, a tile at a time (Gemma-4's per-layer inputs are [L, layers, 256]).
+    hs, plis = [], []
+    for t0, t1 in spans:
+        h0, pli = stack.embed(inputs[:, t0:t1])
+        mx.eval(h0, pli)
+        hs.append(h0)
+        plis.append(pli)
+    h = hs[0] if len(hs) == 1 else mx.concatenate(hs, axis=1)
+    del hs
+    pli_store = [None] * stack.num_layers
+    if plis[0] is not None:
+        for i in range(stack.num_layers):
+            pli_store[i] = store.put(mx.concatenate([p[:, :, i, :] for p in plis], axis=1))
+    del plis
+    masks = stack.masks(h, descriptors=True)
+    sources = stack.kv_source
+    donors = {src for i, src in enumerate(sources) if src != i}
+
+    def call(i: int, kv: dict) -> LayerCall:
+        src = sources[i]
+        pli = store.get(pli_store[i]) if pli_store[i] is not None else None
+        return LayerCall(stack, i, masks[stack.layer_types[i]], tile, seed + 7919 * i, pli,
+                         kv[src] if src != i else None)
+
+    # 1. Forward.
+    kv_saved: dict[int, tuple[mx.array, mx.array]] = {}
+    boundaries = []
+    for a, b in segs:
+        boundaries.append(store.put(h))
+        for i in range(a, b):
+            h, kv = layer_forward(call(i, kv_saved), h)
+            if i in donors:
+                kv_saved[i] = kv
+
+    # 2. Loss head.
+    loss, ntoks, dh, d_outer = head_vjp(
+        stack.head, h, batch, lengths_np, getattr(model.args, "vocab_size", 1 << 15),
+        outer_vals, bind_outer, head_max_elements,
+    )
+    del h
+    bind_outer(outer_vals)
+    grads_flat: dict[str, mx.array] = dict(zip(outer_keys, d_outer))
+    d_kv: dict[int, list[mx.array]] = {}
+    d_pli: list[mx.array | None] = [None] * stack.num_layers
+
+    # 3. Reverse over segments, and over the layers of each.
+    done = False
+    for k in reversed(range(len(segs))):
+        a, b = segs[k]
+        x = store.get(boundaries[k])
+        store.drop(boundaries[k])
+        boundaries[k] = None
+        inner = [x]
+        for i in range(a, b - 1):  # recompute the boundaries inside the segment
+            inner.append(layer_forward(call(i, kv_saved), inner[-1])[0])
+        for i in reversed(range(a, b)):
+            upstream = need_input_grad or any(per_layer[j] for j in range(i))
+            if not upstream and not per_layer[i]:
+                done = True  # frozen from here down
+                break
+            keys = list(per_layer[i])
+            params = [per_layer[i][key] for key in keys]
+            lc = call(i, kv_saved)
+            dh, dpli, d_shared, grads = layer_vjp(
+                lc, inner.pop(), dh, params, bind_layer(stack.layers[i], keys),
+                d_kv.pop(i, None), want_per_layer=need_input_grad,
+            )
+            if per_layer[i]:
+                stack.layers[i].update(tree_unflatten(list(per_layer[i].items())), strict=False)
+            for key, g in zip(keys, grads):
+                grads_flat[f"{stack.layers_path}.{i}.{key}"] = g
+            if d_shared is not None:
+                src = sources[i]
+                prev = d_kv.get(src)
+                d_kv[src] = list(d_shared) if prev is None else [prev[0] + d_shared[0],
+                                                                 prev[1] + d_shared[1]]
+            if dpli is not None:
+                d_pli[i] = dpli
+            mx.eval(dh, d_kv, grads)
+        if done:
+            break
+
+    if need_input_grad:  # embedding-side parameters, a tile at a time
+        for t0, t1 in spans:
+            def embed_fn(*leaves, t0=t0, t1=t1):
+                bind_outer(leaves)
+                h0, pli = stack.embed(inputs[:, t0:t1])
+                return [h0] if pli is None else [h0, pli]
+
+            cot = [dh[:, t0:t1]]
+            if pli_store[0] is not None:
+                parts = []
+                for i in range(stack.num_layers):
+                    if d_pli[i] is None:  # a layer below the first trainable one
+                        parts.append(mx.zeros_like(store.get(pli_store[i])[:, t0:t1]))
+                    else:
+                        parts.append(d_pli[i][:, t0:t1])
+                cot.append(mx.stack(parts, axis=2))
+            _, d_emb = mx.vjp(embed_fn, outer_vals, cot)
+            for key, g in zip(outer_keys, d_emb):
+                grads_flat[key] = grads_flat[key] + g
+            mx.eval([grads_flat[key] for key in outer_keys])
+        bind_outer(outer_vals)
+    mx.random.seed(seed)
+    if stats is not None:
+        stats["host_gb"] = store.peak_host_bytes / 1024**3
+
+    grads = tree_map_with_path(lambda path, _: grads_flat[path], model.trainable_parameters())
+    return (loss, ntoks), grads

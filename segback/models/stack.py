@@ -83,17 +83,27 @@ class Stack:
         """Run layers [start, stop); return the hidden state and the K/V of donors in `kv_out`."""
         kvs: dict[int, tuple[mx.array, mx.array]] = dict(kv_in or {})
         for i in range(start, stop):
-            mask = masks[self.layer_types[i]]
-            if self.call_layer is None:
-                h = self.layers[i](h, mask, None)
-                continue
             pli = None if per_layer is None else per_layer[:, :, i, :]
             src = self.kv_source[i]
-            shared = kvs.get(src) if src != i else None
-            h, kv = self.call_layer(self.layers[i], h, mask, pli, shared)
+            h, kv = self.layer(i, h, masks[self.layer_types[i]], pli,
+                               kvs.get(src) if src != i else None)
             if src == i and kv is not None:
                 kvs[i] = kv
         return h, {d: kvs[d] for d in kv_out}
+
+    def layer(
+        self,
+        i: int,
+        h: mx.array,
+        mask: Mask,
+        per_layer: mx.array | None = None,
+        shared: tuple[mx.array, mx.array] | None = None,
+        cache: Any = None,
+    ) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+        """Call mlx-lm's layer i; `cache` is the stand-in the tiled engine passes (positions)."""
+        if self.call_layer is None:
+            return self.layers[i](h, mask, cache), None
+        return self.call_layer(self.layers[i], h, mask, per_layer, shared, cache)
 
 
 def _text_model(model: nn.Module) -> tuple[nn.Module, str]:
@@ -179,9 +189,10 @@ def get_stack(model: nn.Module) -> Stack:
         out = lm(inner.norm(x))
         return logit_softcap(cap, out) if cap is not None else out
 
-    def call_layer(layer, h, mask, pli, shared):
-        h, kv, _ = layer(h, mask, None, per_layer_input=pli, shared_kv=shared,
-                         offset=0 if shared is not None else None)
+    def call_layer(layer, h, mask, pli, shared, cache=None):
+        # A sharer's queries take their RoPE offset from the caller; a donor's from the cache.
+        offset = None if shared is None else (cache.offset if cache is not None else 0)
+        h, kv, _ = layer(h, mask, cache, per_layer_input=pli, shared_kv=shared, offset=offset)
         return h, kv
 
     return Stack(model_type, layers, path, embed, head, list(args.layer_types),
