@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segments", default="auto", help="auto (planner), N per segment, or plan")
     p.add_argument("--target-gb", type=float, default=None, help="planner memory target")
     p.add_argument("--attention", default="fused", choices=["fused", "chunked"])
+    p.add_argument("--tile", type=int, default=None,
+                   help="tokens per tile for the layers' token-wise parts (segmented only)")
+    p.add_argument("--offload", action="store_true",
+                   help="park boundaries and per-layer inputs in host memory (with --tile)")
     p.add_argument("--prompt-frac", type=float, default=0.0,
                    help="fraction of tokens masked out of the loss as prompt")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
@@ -68,7 +72,8 @@ def _segments(args, model):
     from segback.planner import plan_segments
 
     return plan_segments(model, args.seq, args.batch, target_gb=args.target_gb,
-                         attention=args.attention, lora_rank=args.lora_rank)
+                         attention=args.attention, lora_rank=args.lora_rank, tile=args.tile,
+                         offload=args.offload)
 
 
 def run_worker(args) -> dict:
@@ -105,10 +110,13 @@ def run_worker(args) -> dict:
             row["segments"] = plan["segments"]
         else:
             row["segments"] = plan
-        row["attention"] = args.attention
+        row["attention"] = "chunked" if args.tile else args.attention
+        row.update(tile=args.tile, offload=args.offload)
+        stats: dict = {}
 
         def vg(m, b, lens):
-            return value_and_grad(m, b, lens, row["segments"], attention=args.attention)
+            return value_and_grad(m, b, lens, row["segments"], attention=args.attention,
+                                  tile=args.tile, offload=args.offload, stats=stats)
     else:
         if mode == "ckpt":
             grad_checkpoint(model.layers[0])
@@ -129,6 +137,8 @@ def run_worker(args) -> dict:
             row["loss"] = round(float(loss), 6)
         del grads
     sec = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    if mode == "segmented" and args.offload:
+        row["host_gb"] = round(stats.get("host_gb", 0.0), 3)
     row.update(peak_gb=round(max(peaks), 3), s_per_step=round(sec, 4),
                tokens_per_s=round(B * L / sec, 1), steps=args.steps)
     return row
@@ -138,7 +148,10 @@ def _worker_argv(args, mode: str) -> list[str]:
     argv = [sys.executable, "-m", "segback.cli", "bench", "--worker", mode]
     for key, value in vars(args).items():
         if key in ("worker", "out", "timeout", "modes", "command", "_module",
-                   "max_ops_per_buffer") or value is None:
+                   "max_ops_per_buffer") or value is None or value is False:
+            continue
+        if value is True:
+            argv.append(f"--{key.replace('_', '-')}")
             continue
         argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
