@@ -11,7 +11,8 @@ Backward of one layer: recompute Q, K, V (pre pass per tile) and O (chunked atte
 the post pass per tile (-> dh, dO, parameter grads, rowsum(dO * O)); chunked attention backward
 over the whole sequence (-> dQ, dK, dV); VJP of the pre pass per tile (-> dh, parameter grads).
 Alive at once: the layer's Q, K, V, dO and their gradients, [L, heads x head_dim] each, plus one
-tile's activations; never an [L, MLP width] array.
+tile's activations; never an [L, MLP width] array. Tiles are queued with `mx.async_eval`, at
+most two in flight (the GPU runs one tile while Python builds the next).
 
 Boundaries (the hidden state entering each segment) and per-layer inputs can live in host memory
 (`offload=True`): they are copied out once in the forward and back once in the backward.
@@ -59,6 +60,15 @@ class TileCache:
         self.queries, self.scale = queries, scale
         B, H, n, _ = queries.shape
         return mx.zeros((B, H, n, values.shape[-1]), queries.dtype)  # never evaluated
+
+
+def _queue(prev: Any, *arrays: Any) -> tuple:
+    """Queue this tile's arrays, then wait for the previous tile's: the GPU runs tile t while
+    Python builds tile t + 1, and at most two tiles' buffers exist at once."""
+    mx.async_eval(*arrays)
+    if prev is not None:
+        mx.eval(*prev)
+    return arrays
 
 
 def tiles(length: int, tile: int) -> list[tuple[int, int]]:
@@ -133,11 +143,12 @@ def _pre(call: LayerCall, h: mx.array, spans) -> tuple[mx.array, mx.array, mx.ar
     """Q (and own K, V) over the whole sequence, one tile at a time."""
     qs, ks, vs = [], [], []
     scale = 1.0
+    prev = None
     for t, (t0, t1) in enumerate(spans):
         cache = TileCache(t0)
         call.run(h[:, t0:t1], t, t0, t1, cache, 0)
         parts = [cache.queries] + ([cache.keys, cache.values] if call.owns_kv else [])
-        mx.eval(parts)
+        prev = _queue(prev, parts)
         qs.append(cache.queries)
         scale = cache.scale
         if call.owns_kv:
@@ -159,14 +170,17 @@ def layer_forward(call: LayerCall, h: mx.array) -> tuple[mx.array, KV | None]:
     q, k, v, scale = _pre(call, h, spans)
     window, chunk = call.attention(B, q.shape[1], L)
     o = attention_forward(q, k, v, scale, window, chunk)
-    mx.eval(o)
+    mx.async_eval(o)
     del q
     outs = []
+    prev = None
     for t, (t0, t1) in enumerate(spans):
         out = call.run(h[:, t0:t1], t, t0, t1, TileCache(t0, o[:, :, t0:t1]), 1)
-        mx.eval(out)
+        prev = _queue(prev, out)
         outs.append(out)
-    return _cat(outs, 1), ((k, v) if call.owns_kv else None)
+    out = _cat(outs, 1)
+    mx.eval(out)
+    return out, ((k, v) if call.owns_kv else None)
 
 
 def layer_vjp(
@@ -188,11 +202,12 @@ def layer_vjp(
     q, k, v, scale = _pre(call, h, spans)
     window, chunk = call.attention(B, q.shape[1], L)
     o = attention_forward(q, k, v, scale, window, chunk)
-    mx.eval(o)
+    mx.async_eval(o)
 
     grads = [mx.zeros_like(p) for p in params]
     dhs, dos, deltas, dplis = [], [], [], []
     with_pli = want_per_layer and call.per_layer is not None
+    prev = None
     for t, (t0, t1) in enumerate(spans):
         def post(h_t, o_t, *rest, t=t, t0=t0, t1=t1):
             pli_t = rest[0] if with_pli else None
@@ -206,7 +221,7 @@ def layer_vjp(
             dplis.append(rest.pop(0))
         grads = [g + d for g, d in zip(grads, rest)]
         delta = (do_t.astype(mx.float32) * o_t.astype(mx.float32)).sum(-1, keepdims=True)
-        mx.eval(dh_t, do_t, delta, grads, dplis)
+        prev = _queue(prev, dh_t, do_t, delta, grads, dplis)
         dhs.append(dh_t)
         dos.append(do_t)
         deltas.append(delta)
@@ -220,7 +235,8 @@ def layer_vjp(
         dk, dv = dk + d_own_kv[0], dv + d_own_kv[1]
     elif not call.owns_kv:
         d_shared = (dk, dv)
-    mx.eval(dq, dk, dv)
+    mx.async_eval(dq, dk, dv)
+    prev = None
 
     for t, (t0, t1) in enumerate(spans):
         def pre(h_t, *leaves, t=t, t0=t0, t1=t1):
@@ -233,7 +249,7 @@ def layer_vjp(
         _, (dh_t, *rest) = mx.vjp(pre, [h[:, t0:t1], *params], cot)
         grads = [g + d for g, d in zip(grads, rest)]
         dhs[t] = dhs[t] + dh_t
-        mx.eval(dhs[t], grads)
+        prev = _queue(prev, dhs[t], grads)
     dpli = _cat(dplis, 1) if with_pli else None
     return _cat(dhs, 1), dpli, d_shared, grads
 
