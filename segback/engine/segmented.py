@@ -100,6 +100,7 @@ def value_and_grad(
     tile: int | None = None,
     offload: bool = False,
     stats: dict | None = None,
+    compile: bool = True,
 ) -> tuple[tuple[mx.array, mx.array], dict]:
     """Drop-in for `nn.value_and_grad(model, default_loss)(model, batch, lengths)`.
 
@@ -108,7 +109,8 @@ def value_and_grad(
     masks as descriptors); "fused" keeps mx.fast's kernel. `tile` (tokens) runs each layer's
     token-wise parts a tile at a time, forward and backward (implies chunked attention);
     `offload` parks boundaries and per-layer inputs in host memory (with `tile`). A plan's own
-    "attention", "tile" and "offload" win. `stats`, if given, receives "host_gb".
+    "attention", "tile" and "offload" win. `stats`, if given, receives "host_gb". `compile`
+    traces each tiled layer's tile functions once (`mx.compile`; skipped with LoRA dropout).
     """
     attention = plan_attention(segments, attention)
     tile = plan_option(segments, "tile", tile)
@@ -124,7 +126,8 @@ def value_and_grad(
         with use_chunked_attention([stack.module]):
             if tile:
                 return _value_and_grad_tiled(model, stack, batch, lengths, segments,
-                                             head_max_elements, int(tile), offload, stats)
+                                             head_max_elements, int(tile), offload, stats,
+                                             compile)
             return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements,
                                    chunked=True)
     return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements)
@@ -249,13 +252,13 @@ def _value_and_grad(model, stack, batch, lengths, segments, head_max_elements, c
 
 
 def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_elements, tile,
-                          offload, stats):
+                          offload, stats, compile=True):
     """The segmented backward with sequence-tiled layers (see `segback.engine.tiled`).
 
     A segment [a, b) keeps only its input boundary; its backward recomputes the boundaries
     inside it, then walks its layers in reverse, each layer's VJP tile by tile.
     """
-    from segback.engine.tiled import HostStore, LayerCall, bind_layer, layer_forward, layer_vjp
+    from segback.engine.tiled import HostStore, LayerCall, layer_forward, layer_vjp
     from segback.engine.tiled import tiles as token_tiles
 
     segs = resolve_segments(segments, stack.num_layers)
@@ -292,8 +295,12 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     def call(i: int, kv: dict) -> LayerCall:
         src = sources[i]
         pli = store.get(pli_store[i]) if pli_store[i] is not None else None
-        return LayerCall(stack, i, masks[stack.layer_types[i]], tile, seed + 7919 * i, pli,
-                         kv[src] if src != i else None)
+        return LayerCall(stack, i, masks[stack.layer_types[i]], tile, list(per_layer[i]), pli,
+                         kv[src] if src != i else None, need_input_grad, compile,
+                         seed=seed + 100_003 * i)
+
+    def leaves(i: int) -> list[mx.array]:
+        return list(per_layer[i].values())
 
     # 1. Forward.
     kv_saved: dict[int, tuple[mx.array, mx.array]] = {}
@@ -301,7 +308,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     for a, b in segs:
         boundaries.append(store.put(h))
         for i in range(a, b):
-            h, kv = layer_forward(call(i, kv_saved), h)
+            h, kv = layer_forward(call(i, kv_saved), h, leaves(i))
             if i in donors:
                 kv_saved[i] = kv
 
@@ -325,18 +332,15 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
         boundaries[k] = None
         inner = [x]
         for i in range(a, b - 1):  # recompute the boundaries inside the segment
-            inner.append(layer_forward(call(i, kv_saved), inner[-1])[0])
+            inner.append(layer_forward(call(i, kv_saved), inner[-1], leaves(i))[0])
         for i in reversed(range(a, b)):
             upstream = need_input_grad or any(per_layer[j] for j in range(i))
             if not upstream and not per_layer[i]:
                 done = True  # frozen from here down
                 break
             keys = list(per_layer[i])
-            params = [per_layer[i][key] for key in keys]
-            lc = call(i, kv_saved)
             dh, dpli, d_shared, grads = layer_vjp(
-                lc, inner.pop(), dh, params, bind_layer(stack.layers[i], keys),
-                d_kv.pop(i, None), want_per_layer=need_input_grad,
+                call(i, kv_saved), inner.pop(), dh, leaves(i), d_kv.pop(i, None)
             )
             if per_layer[i]:
                 stack.layers[i].update(tree_unflatten(list(per_layer[i].items())), strict=False)

@@ -11,8 +11,7 @@ Backward of one layer: recompute Q, K, V (pre pass per tile) and O (chunked atte
 the post pass per tile (-> dh, dO, parameter grads, rowsum(dO * O)); chunked attention backward
 over the whole sequence (-> dQ, dK, dV); VJP of the pre pass per tile (-> dh, parameter grads).
 Alive at once: the layer's Q, K, V, dO and their gradients, [L, heads x head_dim] each, plus one
-tile's activations; never an [L, MLP width] array. Tiles are queued with `mx.async_eval`, at
-most two in flight (the GPU runs one tile while Python builds the next).
+tile's activations; never an [L, MLP width] array.
 
 Boundaries (the hidden state entering each segment) and per-layer inputs can live in host memory
 (`offload=True`): they are copied out once in the forward and back once in the backward.
@@ -24,7 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import weakref
+
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
@@ -60,15 +62,6 @@ class TileCache:
         self.queries, self.scale = queries, scale
         B, H, n, _ = queries.shape
         return mx.zeros((B, H, n, values.shape[-1]), queries.dtype)  # never evaluated
-
-
-def _queue(prev: Any, *arrays: Any) -> tuple:
-    """Queue this tile's arrays, then wait for the previous tile's: the GPU runs tile t while
-    Python builds tile t + 1, and at most two tiles' buffers exist at once."""
-    mx.async_eval(*arrays)
-    if prev is not None:
-        mx.eval(*prev)
-    return arrays
 
 
 def tiles(length: int, tile: int) -> list[tuple[int, int]]:
@@ -109,78 +102,200 @@ class HostStore:
             self.host_bytes -= handle[0].nbytes
 
 
+class TileFns:
+    """One layer's four tile functions, pure in their array inputs (so `mx.compile` can trace
+    each once per tile shape and replay it for every tile and every step).
+
+    Inputs are the tile's hidden rows, its RoPE offset (an array, so all tiles share a trace),
+    the attention rows or cotangents, the per-layer input, the donor K/V (sharers) and the
+    layer's trainable leaves; frozen weights are read from the layer as constants.
+    """
+
+    def __init__(self, stack: Stack, index: int, mask: MaskSpec, keys: list[str],
+                 owns_kv: bool, has_pli: bool, pli_grad: bool, compile: bool):
+        self.stack, self.index, self.mask, self.keys = stack, index, mask, keys
+        self.owns_kv, self.has_pli, self.pli_grad = owns_kv, has_pli, pli_grad
+        self.bind = bind_layer(stack.layers[index], keys)
+        self.scale: float | None = None
+        wrap = self._compiled if compile else (lambda f: f)
+        self.pre = wrap(self._pre)
+        self.post = wrap(self._post)
+        self.post_vjp = wrap(self._post_vjp)
+        self.pre_vjp = wrap(self._pre_vjp)
+
+    def _compiled(self, fn: Callable) -> Callable:
+        """`mx.compile(fn)`, putting the real leaves back after each call: tracing binds
+        placeholders into the layer, which nothing else may see."""
+        traced = mx.compile(fn)
+        n = len(self.keys)
+
+        def call(*args):
+            out = traced(*args)
+            if n:
+                self.bind(list(args[-n:]))
+            return out
+
+        return call
+
+    def _run(self, h_t, offset, rows, pli_t, shared, leaves) -> tuple[mx.array, TileCache]:
+        self.bind(list(leaves))
+        cache = TileCache(offset, rows)
+        out, _ = self.stack.layer(self.index, h_t, self.mask, pli_t, shared, cache)
+        if rows is None:
+            self.scale = cache.scale  # a Python float of the layer, seen while tracing
+        return out, cache
+
+    def _split(self, rest):
+        """(per-layer input, shared K/V, leaves) from the trailing inputs."""
+        rest = list(rest)
+        pli = rest.pop(0) if self.has_pli else None
+        shared = None if self.owns_kv else (rest.pop(0), rest.pop(0))
+        return pli, shared, rest
+
+    def _pre(self, h_t, offset, *rest):
+        """Queries (and own keys, values) of one tile: [B, H, n, D]."""
+        _, shared, leaves = self._split(rest)
+        _, c = self._run(h_t, offset, None, None, shared, leaves)
+        return [c.queries] + ([c.keys, c.values] if self.owns_kv else [])
+
+    def _post(self, h_t, offset, o_t, *rest):
+        """The layer's output on one tile, given the tile's attention rows."""
+        pli, shared, leaves = self._split(rest)
+        return self._run(h_t, offset, o_t, pli, shared, leaves)[0]
+
+    def _post_vjp(self, h_t, offset, o_t, dh_t, *rest):
+        """(dh, dO, [d per-layer input], *leaf grads) of the post pass on one tile."""
+        pli, shared, leaves = self._split(rest)
+        with_pli = self.pli_grad and pli is not None
+
+        def f(h, o, *xs):
+            p, lv = (xs[0], xs[1:]) if with_pli else (pli, xs)
+            return [self._run(h, offset, o, p, shared, lv)[0]]
+
+        primals = [h_t, o_t] + ([pli] if with_pli else []) + list(leaves)
+        return mx.vjp(f, primals, [dh_t])[1]
+
+    def _pre_vjp(self, h_t, offset, dq, *rest):
+        """(dh, *leaf grads) of the pre pass on one tile; own dK, dV lead `rest`."""
+        rest = list(rest)
+        cot = [dq] + ([rest.pop(0), rest.pop(0)] if self.owns_kv else [])
+        _, shared, leaves = self._split(rest)
+
+        def f(h, *lv):
+            _, c = self._run(h, offset, None, None, shared, lv)
+            return [c.queries] + ([c.keys, c.values] if self.owns_kv else [])
+
+        return mx.vjp(f, [h_t, *leaves], cot)[1]
+
+
+# Tile functions per layer module (by id; modules are dicts, so unhashable), kept across steps
+# so compiled traces are reused; an entry whose module is gone is replaced.
+_FNS: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _fns_of(layer: nn.Module) -> dict:
+    ref, fns = _FNS.get(id(layer), (None, None))
+    if ref is None or ref() is not layer:
+        ref, fns = weakref.ref(layer), {}
+        _FNS[id(layer)] = (ref, fns)
+    return fns
+
+
+def _can_compile(stack: Stack) -> bool:
+    """Compiled traces replay fixed random draws: only without dropout."""
+    for layer in stack.layers:
+        for _, m in layer.named_modules():
+            if isinstance(m, nn.Dropout) and m._p_1 < 1.0:
+                return False
+    return True
+
+
 @dataclass
 class LayerCall:
-    """Everything fixed about one layer's call in this step."""
+    """One layer's call in this step: its static tile functions and this step's inputs."""
 
     stack: Stack
     index: int
     mask: MaskSpec
     tile: int
-    seed: int
+    keys: list[str]
     per_layer: mx.array | None = None  # [B, L, P] this layer's per-layer input
     shared: KV | None = None  # donor K/V this layer reads (Gemma-4 KV sharing)
+    pli_grad: bool = False
+    compile: bool = True
+    seed: int = 0
+
+    def reseed(self, t: int, part: int) -> None:
+        """Dropout stream of tile t's pre (0) or post (1) pass, the same in forward and VJP."""
+        mx.random.seed(self.seed + 2 * t + part)
+
+    def __post_init__(self):
+        compile = self.compile and _can_compile(self.stack)
+        key = (tuple(self.keys), self.owns_kv, self.per_layer is not None, self.pli_grad,
+               self.mask, compile)
+        per_module = _fns_of(self.stack.layers[self.index])
+        if key not in per_module:
+            per_module[key] = TileFns(self.stack, self.index, self.mask, self.keys,
+                                      self.owns_kv, self.per_layer is not None, self.pli_grad,
+                                      compile)
+        self.fns: TileFns = per_module[key]
 
     @property
     def owns_kv(self) -> bool:
         return self.shared is None
 
-    def run(self, h_t: mx.array, t: int, t0: int, t1: int, cache: TileCache, part: int,
-            pli_t: mx.array | None = None) -> mx.array:
-        """mlx-lm's layer on one tile, with this tile's dropout stream (replayed on recompute)."""
-        mx.random.seed(self.seed + 4 * t + part)
-        if pli_t is None and self.per_layer is not None:
-            pli_t = self.per_layer[:, t0:t1]
-        out, _ = self.stack.layer(self.index, h_t, self.mask, pli_t, self.shared, cache)
-        return out
+    def extras(self, t0: int, t1: int) -> list[mx.array]:
+        """The per-layer input rows and donor K/V, in TileFns' order."""
+        out = [] if self.per_layer is None else [self.per_layer[:, t0:t1]]
+        return out + ([] if self.shared is None else list(self.shared))
 
     def attention(self, B: int, H: int, L: int) -> tuple[int | None, int]:
         window = self.mask.window if self.mask.kind == "sliding" else None
         return attention_shape(B, H, L, L, window)
 
 
-def _pre(call: LayerCall, h: mx.array, spans) -> tuple[mx.array, mx.array, mx.array, float]:
+def _offset(t0: int) -> mx.array:
+    return mx.array(t0, mx.int32)
+
+
+def _pre(call: LayerCall, h: mx.array, spans, leaves) -> tuple[mx.array, mx.array, mx.array]:
     """Q (and own K, V) over the whole sequence, one tile at a time."""
     qs, ks, vs = [], [], []
-    scale = 1.0
-    prev = None
     for t, (t0, t1) in enumerate(spans):
-        cache = TileCache(t0)
-        call.run(h[:, t0:t1], t, t0, t1, cache, 0)
-        parts = [cache.queries] + ([cache.keys, cache.values] if call.owns_kv else [])
-        prev = _queue(prev, parts)
-        qs.append(cache.queries)
-        scale = cache.scale
+        call.reseed(t, 0)
+        parts = call.fns.pre(h[:, t0:t1], _offset(t0), *call.extras(t0, t1), *leaves)
+        mx.eval(parts)
+        qs.append(parts[0])
         if call.owns_kv:
-            ks.append(cache.keys)
-            vs.append(cache.values)
+            ks.append(parts[1])
+            vs.append(parts[2])
     q = _cat(qs, 2)
     k, v = (_cat(ks, 2), _cat(vs, 2)) if call.owns_kv else call.shared
-    return q, k, v, scale
+    return q, k, v
 
 
 def _cat(parts: list[mx.array], axis: int) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
-def layer_forward(call: LayerCall, h: mx.array) -> tuple[mx.array, KV | None]:
+def layer_forward(call: LayerCall, h: mx.array, leaves: list[mx.array]
+                  ) -> tuple[mx.array, KV | None]:
     """The layer's output for all L tokens (and its own K/V), computed tile by tile."""
     B, L, _ = h.shape
     spans = tiles(L, call.tile)
-    q, k, v, scale = _pre(call, h, spans)
+    q, k, v = _pre(call, h, spans, leaves)
     window, chunk = call.attention(B, q.shape[1], L)
-    o = attention_forward(q, k, v, scale, window, chunk)
-    mx.async_eval(o)
+    o = attention_forward(q, k, v, call.fns.scale, window, chunk)
+    mx.eval(o)
     del q
     outs = []
-    prev = None
     for t, (t0, t1) in enumerate(spans):
-        out = call.run(h[:, t0:t1], t, t0, t1, TileCache(t0, o[:, :, t0:t1]), 1)
-        prev = _queue(prev, out)
+        call.reseed(t, 1)
+        out = call.fns.post(h[:, t0:t1], _offset(t0), o[:, :, t0:t1], *call.extras(t0, t1),
+                            *leaves)
+        mx.eval(out)
         outs.append(out)
-    out = _cat(outs, 1)
-    mx.eval(out)
-    return out, ((k, v) if call.owns_kv else None)
+    return _cat(outs, 1), ((k, v) if call.owns_kv else None)
 
 
 def layer_vjp(
@@ -188,9 +303,7 @@ def layer_vjp(
     h: mx.array,
     dh_out: mx.array,
     params: list[mx.array],
-    bind: Callable[[list[mx.array]], None],
     d_own_kv: list[mx.array] | None = None,
-    want_per_layer: bool = False,
 ) -> tuple[mx.array, mx.array | None, KV | None, list[mx.array]]:
     """Backward of one layer, tile by tile.
 
@@ -199,29 +312,26 @@ def layer_vjp(
     """
     B, L, _ = h.shape
     spans = tiles(L, call.tile)
-    q, k, v, scale = _pre(call, h, spans)
+    q, k, v = _pre(call, h, spans, params)
+    scale = call.fns.scale
     window, chunk = call.attention(B, q.shape[1], L)
     o = attention_forward(q, k, v, scale, window, chunk)
-    mx.async_eval(o)
+    mx.eval(o)
 
     grads = [mx.zeros_like(p) for p in params]
     dhs, dos, deltas, dplis = [], [], [], []
-    with_pli = want_per_layer and call.per_layer is not None
-    prev = None
+    with_pli = call.pli_grad and call.per_layer is not None
     for t, (t0, t1) in enumerate(spans):
-        def post(h_t, o_t, *rest, t=t, t0=t0, t1=t1):
-            pli_t = rest[0] if with_pli else None
-            bind(list(rest[1:] if with_pli else rest))
-            return [call.run(h_t, t, t0, t1, TileCache(t0, o_t), 1, pli_t)]
-
         o_t = o[:, :, t0:t1]
-        primals = [h[:, t0:t1], o_t] + ([call.per_layer[:, t0:t1]] if with_pli else []) + params
-        _, (dh_t, do_t, *rest) = mx.vjp(post, primals, [dh_out[:, t0:t1]])
+        call.reseed(t, 1)
+        dh_t, do_t, *rest = call.fns.post_vjp(
+            h[:, t0:t1], _offset(t0), o_t, dh_out[:, t0:t1], *call.extras(t0, t1), *params
+        )
         if with_pli:
             dplis.append(rest.pop(0))
         grads = [g + d for g, d in zip(grads, rest)]
         delta = (do_t.astype(mx.float32) * o_t.astype(mx.float32)).sum(-1, keepdims=True)
-        prev = _queue(prev, dh_t, do_t, delta, grads, dplis)
+        mx.eval(dh_t, do_t, delta, grads, dplis)
         dhs.append(dh_t)
         dos.append(do_t)
         deltas.append(delta)
@@ -235,21 +345,17 @@ def layer_vjp(
         dk, dv = dk + d_own_kv[0], dv + d_own_kv[1]
     elif not call.owns_kv:
         d_shared = (dk, dv)
-    mx.async_eval(dq, dk, dv)
-    prev = None
+    mx.eval(dq, dk, dv)
 
     for t, (t0, t1) in enumerate(spans):
-        def pre(h_t, *leaves, t=t, t0=t0, t1=t1):
-            bind(list(leaves))
-            cache = TileCache(t0)
-            call.run(h_t, t, t0, t1, cache, 0)
-            return [cache.queries] + ([cache.keys, cache.values] if call.owns_kv else [])
-
-        cot = [dq[:, :, t0:t1]] + ([dk[:, :, t0:t1], dv[:, :, t0:t1]] if call.owns_kv else [])
-        _, (dh_t, *rest) = mx.vjp(pre, [h[:, t0:t1], *params], cot)
+        own = [dk[:, :, t0:t1], dv[:, :, t0:t1]] if call.owns_kv else []
+        call.reseed(t, 0)
+        dh_t, *rest = call.fns.pre_vjp(
+            h[:, t0:t1], _offset(t0), dq[:, :, t0:t1], *own, *call.extras(t0, t1), *params
+        )
         grads = [g + d for g, d in zip(grads, rest)]
         dhs[t] = dhs[t] + dh_t
-        prev = _queue(prev, dhs[t], grads)
+        mx.eval(dhs[t], grads)
     dpli = _cat(dplis, 1) if with_pli else None
     return _cat(dhs, 1), dpli, d_shared, grads
 
