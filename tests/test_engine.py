@@ -158,6 +158,33 @@ def assert_close(g0, g1, rel=5e-5, floor=1e-5):
         assert err <= rel * float(mx.linalg.norm(v)) + floor * top, (k, err)
 
 
+def _cast(model, src, dst):
+    model.update(tree_map(lambda p: p.astype(dst) if p.dtype == src else p, model.parameters()))
+
+
+def assert_as_exact_as_mlx_lm(model, g32, ours, batch, lengths, factor=5.0, floor=1e-6):
+    """Our float32 grads are as close to the exact (float64) grads as mlx-lm's own float32 ones.
+
+    Tiling changes matmul shapes, so BLAS rounds differently; on tiny-e4b (attention scale 1
+    after q/k norms, sharp softmax) mlx-lm's own float32 grads are ~6e-5 (relative) from the
+    float64 result, so a fixed 5e-5 bound against them tests rounding luck, not correctness.
+    Any real error (a mask, position or cotangent off) is orders of magnitude above this bound.
+    """
+    _cast(model, mx.float32, mx.float64)
+    try:
+        _, g64 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    finally:
+        _cast(model, mx.float64, mx.float32)
+    f32, f64, f1 = (dict(tree_flatten(g)) for g in (g32, g64, ours))
+    assert f1.keys() == f64.keys() and len(f64) > 0
+    top = max(float(mx.abs(v).max()) for v in f64.values())
+    for k, exact in f64.items():
+        ref_err = float(mx.linalg.norm(f32[k] - exact))
+        err = float(mx.linalg.norm(f1[k] - exact))
+        bound = factor * ref_err + floor * (float(mx.linalg.norm(exact)) + top)
+        assert err <= bound, (k, err, ref_err)
+
+
 @pytest.mark.parametrize("name", DENSE + ["tiny-gemma3", "tiny-e4b"])
 @pytest.mark.parametrize("segments,tile,offload", [
     (1, 23, False),    # one layer per segment, ragged last tile
@@ -174,7 +201,7 @@ def test_tiled_matches_mlx_lm(name, segments, tile, offload):
                                   stats=stats)
     assert int(n1) == int(n0)
     assert abs(float(l1) - float(l0)) <= TOL * abs(float(l0))
-    assert_close(g0, g1)
+    assert_as_exact_as_mlx_lm(model, g0, g1, batch, lengths)
     assert (stats["host_gb"] > 0) == offload
 
 
