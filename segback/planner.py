@@ -60,6 +60,8 @@ SEGMENT_OVERHEAD = 0.003
 BWD_LINEAR, BWD_ATTN_FUSED, BWD_ATTN_CHUNKED = 1.0, 2.0, 3.0
 # Ties within this fraction of the minimum peak go to fewer segments (faster, better fusion).
 TIE_FRACTION = 0.005
+# Tile sizes (tokens) `--tile auto` weighs, largest (fastest) first.
+TILE_SIZES = (4096, 2048, 1024, 512, 256)
 CALIBRATION_LENGTHS = (512, 1024)
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -86,6 +88,9 @@ class LayerGeom:
     weight_bytes: int
     bits: int | None
     lora_params: int
+    q_width: int = 0  # query projection width (heads x head_dim)
+    kv_own: int = 0  # width of this layer's own K (= V) projection; 0 for a KV sharer
+    qkv_flops: float = 0.0  # forward FLOPs per token of the q/k/v projections (incl. LoRA)
 
 
 @dataclass
@@ -225,6 +230,8 @@ def read_geometry(
     geoms, bits_seen = [], []
     for i, layer in enumerate(layers):
         lin = [_linear_dims(m) for _, m in _linears(layer)]
+        qkv = [_linear_dims(m) for p, m in _linears(layer.self_attn)
+               if p.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")]
         mlp_dims = {p.rsplit(".", 1)[-1]: _linear_dims(m) for p, m in _linears(layer.mlp)} \
             if hasattr(layer, "mlp") else {}
         inter = (mlp_dims.get("gate_proj") or mlp_dims.get("up_proj") or (0, 0, None))[1]
@@ -246,6 +253,9 @@ def read_geometry(
             weight_bytes=sum(v.nbytes for _, v in tree_flatten(layer.parameters())),
             bits=max(bits) if bits else None,
             lora_params=lora,
+            q_width=q_widths[i],
+            kv_own=own_kv.get(i, 0),
+            qkv_flops=2.0 * sum(a * b + (lora_rank * (a + b) if lora else 0) for a, b, _ in qkv),
         ))
 
     all_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -324,22 +334,56 @@ def _chunk_size(B: int, H: int, L: int, window: int | None) -> int:
 
 
 class CostModel:
-    """Bytes and FLOPs of every piece of a segmented step for one (geometry, L, B, attention)."""
+    """Bytes and FLOPs of every piece of a segmented step for one (geometry, L, B, attention).
+
+    With `tile` (tokens), the step is the sequence-tiled engine's (segback.engine.tiled): every
+    layer runs its token-wise parts a tile at a time, attention is chunked, a segment keeps only
+    its input boundary (and recomputes those inside it in its backward), every Gemma-4 donor's
+    K/V is kept, and with `offload` the boundaries and per-layer inputs live in host memory.
+    """
 
     def __init__(self, geom: Geometry, seq_len: int, batch_size: int = 1,
-                 attention: str = "fused", coef: Coefficients | None = None):
+                 attention: str = "fused", coef: Coefficients | None = None,
+                 tile: int | None = None, offload: bool = False):
         if attention not in ("fused", "chunked"):
             raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
+        if tile is not None and tile < 1:
+            raise ValueError(f"tile must be a positive number of tokens, not {tile}")
+        if offload and not tile:
+            raise ValueError("offload needs a tile size: it is part of the tiled engine")
+        if tile:
+            attention = "chunked"  # the tiled engine always runs chunked attention
         self.g, self.L, self.B, self.attention = geom, seq_len, batch_size, attention
+        self.tile, self.offload = (min(int(tile), seq_len) if tile else None), bool(offload)
         self.coef = coef or Coefficients()
         s, L, B = geom.dtype_bytes, seq_len, batch_size
         self.hidden_bytes = B * L * geom.hidden * s  # one [B, L, hidden] boundary
         layers = geom.layers
-        self.act = np.array([B * L * g.act_elems * s for g in layers], float)
-        self.bwd = np.array([B * L * g.bwd_elems * s for g in layers], float)
+        if self.tile:
+            self.act = np.array([self._tiled_layer(g) for g in layers], float)
+            self.bwd = np.zeros(len(layers))
+        else:
+            self.act = np.array([B * L * g.act_elems * s for g in layers], float)
+            self.bwd = np.array([B * L * g.bwd_elems * s for g in layers], float)
         ret, trans = zip(*(self._attention(g) for g in layers))
         self.attn_retained, self.attn_transient = np.array(ret), np.array(trans)
         self.kv_bytes = {d: 2 * B * L * layers[d].kv_width * s for d in geom.sharers()}
+        # A stored segment boundary on the device, and what a segment's backward always holds
+        # besides its transient: its own input boundary and dh (untiled), or only dh (tiled:
+        # the segment's inputs are part of its transient).
+        self.boundary_bytes = 0.0 if self.offload else float(self.hidden_bytes)
+        self.fixed_bytes = float(self.hidden_bytes if self.tile else 2 * self.hidden_bytes)
+
+    def _tiled_layer(self, g: LayerGeom) -> float:
+        """One tiled layer's backward, bytes: Q, dO, dQ and the own K, V over the whole sequence,
+        float32 dK/dV accumulators and their casts, rowsum(dO * O), dh_in, one tile's
+        activations and cotangents, and (offload) the layer's per-layer input fetched back."""
+        s, L, B = self.g.dtype_bytes, self.L, self.B
+        whole = B * L * (3 * g.q_width * s + 2 * g.kv_own * s + 2 * g.kv_width * (4 + s)
+                         + g.heads * 4) + self.hidden_bytes
+        tile = self.coef.activation * B * self.tile * (g.act_elems + g.bwd_elems) * s
+        pli = B * L * self.g.per_layer_width // max(1, self.g.num_layers) * s
+        return float(whole + tile + (pli if self.offload else 0))
 
     def _attention(self, g: LayerGeom) -> tuple[float, float]:
         """(kept until the layer's backward, transient during it) for one layer, in bytes."""
@@ -351,31 +395,42 @@ class CostModel:
         chunk = _chunk_size(B, g.heads, L, window)
         visible = L if window is None else min(L, chunk + window - 1)
         scores = CHUNKED_SCORE_COPIES * B * g.heads * chunk * visible * 4
+        if self.tile:  # the whole-sequence arrays are counted in _tiled_layer
+            return 0.0, scores
         linear = B * L * (2 * g.kv_width * 4 + g.heads * g.head_dim * s)  # dK, dV f32 + dQ
         return 0.0, scores + linear
 
     # --- memory ---------------------------------------------------------------------------
 
+    def per_layer_input_bytes(self) -> float:
+        return float(self.B * self.L * self.g.per_layer_width * self.g.dtype_bytes)
+
     def constants(self) -> float:
-        """Alive for the whole step besides the boundaries: per-layer inputs and masks."""
+        """Alive for the whole step besides the boundaries: per-layer inputs and masks (and, tiled,
+        every donor's K/V)."""
         g, L = self.g, self.L
-        pli = self.B * L * g.per_layer_width * g.dtype_bytes
+        if self.tile:
+            pli = 0.0 if self.offload else self.per_layer_input_bytes()
+            return pli + float(sum(self.kv_bytes.values()))
         windows = {x.window for x in g.layers if x.window is not None and x.window < L}
         masks = L * L * len(windows) if self.attention == "fused" else 0  # bool [L, L]
-        return float(pli + masks)
+        return float(self.per_layer_input_bytes() + masks)
 
     def segment_bytes(self, a: int, b: int) -> float:
-        """Transient of segment [a, b)'s vjp: activations, attention, h_out and dh_in."""
-        c = self.coef
-        return float(c.activation * (self.act[a:b].sum() + self.bwd[a:b].max())
-                     + c.attention * self.attn_retained[a:b].sum()
-                     + c.attention_transient * self.attn_transient[a:b].max()
-                     + 2 * self.hidden_bytes)
+        """Transient of segment [a, b)'s vjp: activations, attention, h_out and dh_in (tiled:
+        the recomputed inputs of its layers up to the one running, and that layer's backward)."""
+        return float(self.segment_matrix()[a, b])
 
     def segment_matrix(self) -> np.ndarray:
         """S[a, b] = segment_bytes(a, b) for all 0 <= a < b <= N (inf elsewhere)."""
         n, c = self.g.num_layers, self.coef
         S = np.full((n + 1, n + 1), np.inf)
+        if self.tile:
+            per_layer = self.act + c.attention_transient * self.attn_transient
+            for a in range(n):
+                inner = (np.arange(a, n) - a + 1) * self.hidden_bytes
+                S[a, a + 1:] = np.maximum.accumulate(inner + per_layer[a:])
+            return S
         cum_act = np.concatenate([[0.0], np.cumsum(self.act)])
         cum_ret = np.concatenate([[0.0], np.cumsum(self.attn_retained)])
         for a in range(n):
@@ -396,19 +451,31 @@ class CostModel:
         return copies * rows * g.vocab * g.dtype_bytes + 2 * self.hidden_bytes
 
     def embed_bytes(self) -> float:
-        """Prologue transient: the per-layer inputs are built through ~3 full-size temporaries."""
-        return 3.0 * self.B * self.L * self.g.per_layer_width * self.g.dtype_bytes
+        """Prologue transient: the per-layer inputs are built through ~3 full-size temporaries
+        (tiled: tile by tile, then split per layer, one layer's slice at a time if offloaded)."""
+        pli = self.per_layer_input_bytes()
+        if self.tile:
+            return pli + (pli / max(1, self.g.num_layers) if self.offload else 0.0) \
+                + self.hidden_bytes
+        return 3.0 * pli
+
+    def host_bytes(self, n_segments: int) -> float:
+        """Host memory of an offloaded step: one boundary per segment and the per-layer inputs."""
+        if not self.offload:
+            return 0.0
+        return float(n_segments * self.hidden_bytes + self.per_layer_input_bytes())
 
     def resting(self) -> tuple[float, float]:
         """(weights incl. LoRA factors, LoRA grads + AdamW's two float32 moments)."""
         return float(self.g.weight_bytes), float(self.g.lora_params * 4 * 3)
 
     def saved_donors(self, segments: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
-        """Donor -> indices of later segments that read its saved K/V."""
+        """Donor -> indices of later segments that read its saved K/V (tiled: every donor's K/V
+        is kept, and read by the segments of its sharers)."""
         seg_of = {i: k for k, (a, b) in enumerate(segments) for i in range(a, b)}
         out: dict[int, list[int]] = {}
         for d, readers in self.g.sharers().items():
-            ks = sorted({seg_of[r] for r in readers if seg_of[r] != seg_of[d]})
+            ks = sorted({seg_of[r] for r in readers if self.tile or seg_of[r] != seg_of[d]})
             if ks:
                 out[d] = ks
         return out
@@ -418,15 +485,17 @@ class CostModel:
         n_seg = len(segments)
         weights, lora_opt = self.resting()
         saved = self.saved_donors(segments)
-        kv_saved = sum(self.kv_bytes[d] for d in saved)
+        kv_saved = 0.0 if self.tile else sum(self.kv_bytes[d] for d in saved)  # tiled: constant
         const = self.constants() + kv_saved
-        hb = self.hidden_bytes
-        seg_t = [self.segment_bytes(a, b) for a, b in segments]
-        events = [("embedding", 0.0, self.embed_bytes() + hb),
-                  ("loss head", (n_seg + 1) * hb, self.head_bytes())]
+        hb, bb = self.hidden_bytes, self.boundary_bytes
+        S = self.segment_matrix()
+        seg_t = [float(S[a, b]) for a, b in segments]
+        events = [("embedding", float(hb), self.embed_bytes() + (0.0 if self.tile else hb)),
+                  ("loss head", n_seg * bb + hb, self.head_bytes())]
         for k, (_, b) in enumerate(segments):
             pending = sum(self.kv_bytes[d] for d in saved if d < b)  # dK/dV not yet consumed
-            events.append((f"segment {k} backward", (k + 2) * hb + pending, seg_t[k]))
+            events.append((f"segment {k} backward", k * bb + self.fixed_bytes + pending,
+                           seg_t[k]))
         name, alive, transient = max(events, key=lambda e: e[1] + e[2])
         peak = weights + lora_opt + const + alive + transient
         return dict(
@@ -439,9 +508,15 @@ class CostModel:
     # --- time -----------------------------------------------------------------------------
 
     def layer_flops(self) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) FLOPs of each layer for the whole batch."""
+        """(forward, backward) FLOPs of each layer for the whole batch, as a plain step runs it
+        (fused: the attention kernel MLX's plain backward runs; chunked: ours)."""
+        fwd, bwd, _ = self._flops()
+        return fwd, bwd
+
+    def _flops(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward, backward, q/k/v projection forward) FLOPs of each layer."""
         L, B = self.L, self.B
-        fwd, bwd = [], []
+        fwd, bwd, qkv = [], [], []
         for g in self.g.layers:
             quant = 1.0 + 0.02 * g.bits if g.bits else 1.0  # dequantization work, a guess
             lin = g.linear_flops * quant * L * B
@@ -456,15 +531,30 @@ class CostModel:
             attn = 4.0 * g.heads * g.head_dim * keys * L * B
             fwd.append(lin + attn)
             bwd.append(BWD_LINEAR * lin + ratio * attn)
-        return np.array(fwd), np.array(bwd)
+            qkv.append(g.qkv_flops * quant * L * B)
+        return np.array(fwd), np.array(bwd), np.array(qkv)
 
-    def relative_step_time(self, n_segments: int) -> float:
-        """Segmented step time over one plain forward+backward (same loss head)."""
-        fwd, bwd = self.layer_flops()
+    def relative_step_time(self, segments: int | Sequence[tuple[int, int]]) -> float:
+        """Segmented step time over one plain forward+backward (same loss head).
+
+        Untiled: the recompute costs one forward in total. Tiled: a layer's forward computes
+        Q/K/V twice (pre pass, then inside the post pass); its backward recomputes Q/K/V and the
+        attention output, then runs the post pass's VJP, attention's and the pre pass's VJP;
+        and each segment first recomputes the inputs of its layers above the first.
+        """
+        fwd, bwd, qkv = self._flops()
         rows = self.B * (self.L - 1)
         head = 2.0 * self.g.hidden * self.g.vocab * rows * 3  # forward + dX
         base = fwd.sum() + bwd.sum() + head
-        return float(1.0 + fwd.sum() / base + SEGMENT_OVERHEAD * n_segments)
+        n_seg = segments if isinstance(segments, int) else len(segments)
+        if not self.tile:
+            return float(1.0 + fwd.sum() / base + SEGMENT_OVERHEAD * n_seg)
+        if isinstance(segments, int):
+            raise ValueError("a tiled step's time depends on the cut: pass the segments")
+        fwd_t = qkv + fwd  # pre pass + attention + post pass
+        vjp = 2 * qkv + fwd + bwd  # pre + attention + post-VJP + attention VJP + pre-VJP
+        inner = sum(fwd_t[a:b - 1].sum() for a, b in segments)
+        return float((fwd_t.sum() + vjp.sum() + inner + head) / base + SEGMENT_OVERHEAD * n_seg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,18 +564,19 @@ class CostModel:
 def _best_by_count(cost: CostModel) -> dict[int, list[tuple[int, int]]]:
     """For every segment count, the contiguous cut minimising the peak (min-max DP).
 
-    The worst backward event of a plan is max_k((k + 2) * boundary + pending dK/dV + S[a_k,
-    b_k]); dp[j][i] is its minimum over plans of layers [0, i) in j segments. Donors whose
-    sharers may stay in their segment (no saved K/V) are a separate branch that forbids cuts
-    between them, so the DP's count is exact in the branch matching a plan's real saved set.
+    The worst backward event of a plan is max_k(k * stored boundary + fixed + pending dK/dV +
+    S[a_k, b_k]); dp[j][i] is its minimum over plans of layers [0, i) in j segments. Donors
+    whose sharers may stay in their segment (no saved K/V) are a separate branch that forbids
+    cuts between them, so the DP's count is exact in the branch matching a plan's real saved
+    set. The tiled engine keeps every donor's K/V, so it has only the all-saved branch.
     """
     n = cost.g.num_layers
     S = cost.segment_matrix()
-    hb = cost.hidden_bytes
+    bb, fixed = cost.boundary_bytes, cost.fixed_bytes
     spans = {d: (d, max(r)) for d, r in cost.g.sharers().items()}
     donors = sorted(spans)
-    branches = (itertools.product([False, True], repeat=len(donors)) if len(donors) <= 4
-                else [tuple([True] * len(donors))])
+    branches = (itertools.product([False, True], repeat=len(donors))
+                if len(donors) <= 4 and not cost.tile else [tuple([True] * len(donors))])
     best: dict[int, tuple[float, list[tuple[int, int]]]] = {}
     for saved_flags in branches:
         allowed = np.ones(n + 1, bool)
@@ -499,9 +590,9 @@ def _best_by_count(cost: CostModel) -> dict[int, list[tuple[int, int]]]:
         allowed[n] = True
         dp = np.full((n + 1, n + 1), np.inf)  # dp[j, i]
         arg = np.zeros((n + 1, n + 1), int)
-        dp[1, 1:] = 2 * hb + pending[1:] + S[0, 1:]
+        dp[1, 1:] = fixed + pending[1:] + S[0, 1:]
         for j in range(2, n + 1):
-            event = (j + 1) * hb + pending[None, :] + S  # [p, i]
+            event = (j - 1) * bb + fixed + pending[None, :] + S  # [p, i]
             cand = np.maximum(dp[j - 1][:, None], event)
             cand[~allowed, :] = np.inf
             arg[j] = np.argmin(cand, axis=0)
@@ -528,7 +619,7 @@ def choose(
     the fewest segments whose peak meets the target, else the minimum-peak plan."""
     plans = _best_by_count(cost)
     peaks = {j: cost.evaluate(p)["peak"] for j, p in plans.items()}
-    times = {j: cost.relative_step_time(j) for j in plans}
+    times = {j: cost.relative_step_time(p) for j, p in plans.items()}
     in_time = [j for j in plans if time_budget is None or times[j] <= time_budget]
     meets_time = bool(in_time)
     if not in_time:
@@ -716,6 +807,8 @@ def plan_segments(
     calibration_lengths: Sequence[int] = CALIBRATION_LENGTHS,
     coefficients: Coefficients | dict | None = None,
     segments: Any = None,
+    tile: int | str | None = None,
+    offload: bool | str = False,
 ) -> dict[str, Any]:
     """Plan the segments of a segmented backward; returns the plan dict of plan.schema.json.
 
@@ -725,9 +818,16 @@ def plan_segments(
     calibrating a config/geometry builds it with random weights.
     `coefficients` reuses an earlier calibration (a plan's `inputs.calibration`); `segments`
     (ranges or layers per segment, as the engine takes them) skips the search and only predicts.
+    `tile` (tokens) plans the sequence-tiled engine, `offload` with host-parked boundaries;
+    `tile="auto"` (and `offload="auto"`) also weigh untiled and every tile size of TILE_SIZES
+    (with and without offload): with a target, the fastest that meets it, else the smallest
+    peak. The chosen `attention`, `tile` and `offload` are top-level keys the engine reads.
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
+    if isinstance(tile, str) and tile.isdigit():
+        tile = int(tile)
+    configs = tile_configs(seq_len, attention, tile, offload)
     if calibrate and _is_lazy_random(model_or_config):  # measuring needs real weights
         from segback.models.geometry import build_model, geometry_config
 
@@ -746,18 +846,29 @@ def plan_segments(
     coef = Coefficients(**coefficients) if isinstance(coefficients, dict) else \
         coefficients or Coefficients()
     if calibrate:
-        coef = fit_coefficients(model, geom, batch_size, lora_rank, attention, calibration_lengths)
-    cost = CostModel(geom, seq_len, batch_size, attention, coef)
-    if segments is None:
-        segments, meets_target, meets_time, message = choose(cost, target_gb, time_budget)
-    else:
+        kinds = {att for att, _, _ in configs}  # measure the attention the plan will run
+        coef = fit_coefficients(model, geom, batch_size, lora_rank,
+                                kinds.pop() if len(kinds) == 1 else attention,
+                                calibration_lengths)
+    given = segments
+    options = []  # (cost, segments, meets_target, meets_time, message) per configuration
+    for att, t, off in configs:
+        cost = CostModel(geom, seq_len, batch_size, att, coef, t, off)
+        if given is None:
+            options.append((cost, *choose(cost, target_gb, time_budget)))
+            continue
         from segback.engine.segmented import resolve_segments
 
-        segments = resolve_segments(segments, geom.num_layers)
-        peak = cost.evaluate(segments)["peak"]
-        meets_target = target_gb is None or peak <= target_gb * GB
-        meets_time = time_budget is None or cost.relative_step_time(len(segments)) <= time_budget
-        message = f"given plan of {len(segments)} segments: {peak / GB:.2f} GB"
+        segs = resolve_segments(given, geom.num_layers)
+        peak = cost.evaluate(segs)["peak"]
+        options.append((cost, segs, target_gb is None or peak <= target_gb * GB,
+                        time_budget is None or cost.relative_step_time(segs) <= time_budget,
+                        f"given plan of {len(segs)} segments: {peak / GB:.2f} GB"))
+    cost, segments, meets_target, meets_time, message = _pick(options, target_gb)
+    if len(options) > 1:
+        what = f"tile {cost.tile}" + (", offload" if cost.offload else "") if cost.tile \
+            else "untiled"
+        message = f"{what} (best of {len(options)} configurations): {message}"
     ev = cost.evaluate(segments)
     sharers = geom.sharers()
     saved_kv = [dict(donor=d, kind=geom.layers[d].kind, read_by_segments=ks,
@@ -770,7 +881,11 @@ def plan_segments(
         breakdown={k: v / GB for k, v in ev["breakdown"].items()},
         peak_at=ev["peak_at"],
         segment_gb=[x / GB for x in ev["segment_bytes"]],
-        predicted_relative_step_time=cost.relative_step_time(len(segments)),
+        predicted_relative_step_time=cost.relative_step_time(segments),
+        predicted_host_gb=cost.host_bytes(len(segments)) / GB,
+        attention=cost.attention,
+        tile=cost.tile,
+        offload=cost.offload,
         meets_target=bool(meets_target),
         meets_time_budget=bool(meets_time),
         message=message,
@@ -784,6 +899,8 @@ def plan_segments(
             time_budget=time_budget,
             dtype=geom.dtype,
             attention=attention,
+            tile=tile,
+            offload=offload,
             lora_rank=lora_rank,
             lora_layers=lora_layers,
             quant_bits=quant_bits if quant_bits is not None else
@@ -791,6 +908,45 @@ def plan_segments(
             calibration=asdict(coef) if coef.calibrated else None,
         ),
     )
+
+
+def tile_configs(seq_len: int, attention: str, tile: int | str | None,
+                 offload: bool | str) -> list[tuple[str, int | None, bool]]:
+    """(attention, tile, offload) configurations the planner weighs for these options."""
+    if tile not in (None, "auto") and not (isinstance(tile, int) and tile >= 1):
+        raise ValueError(f"tile must be a positive number of tokens, 'auto' or None, not {tile!r}")
+    if offload not in (True, False, "auto"):
+        raise ValueError(f"offload must be true, false or 'auto', not {offload!r}")
+    if offload is True and tile is None:
+        raise ValueError("offload needs a tile size (--tile N or --tile auto)")
+    offloads = [False, True] if offload == "auto" else [bool(offload)]
+    if tile != "auto":
+        if tile is None:
+            return [(attention, None, False)]
+        return [("chunked", tile, off) for off in offloads]
+    sizes = [t for t in TILE_SIZES if t < seq_len] or [seq_len]
+    untiled = [] if offload is True else [(attention, None, False)]
+    return untiled + [("chunked", t, off) for off in offloads for t in sizes]
+
+
+def _pick(options: list[tuple], target_gb: float | None) -> tuple:
+    """Among (cost, segments, meets_target, meets_time, message): with a target, the fastest
+    option meeting it (and the time budget); else, or if none does, the smallest peak (ties
+    within TIE_FRACTION go to the faster)."""
+    def peak(o):
+        return o[0].evaluate(o[1])["peak"]
+
+    def time(o):
+        return o[0].relative_step_time(o[1])
+
+    if len(options) == 1:
+        return options[0]
+    ok = [o for o in options if o[2] and o[3]]
+    if target_gb is not None and ok:
+        return min(ok, key=time)
+    in_time = [o for o in options if o[3]] or options
+    floor = min(peak(o) for o in in_time)
+    return min((o for o in in_time if peak(o) <= floor * (1 + TIE_FRACTION)), key=time)
 
 
 def _is_lazy_random(model_or_config: Any) -> bool:
@@ -825,6 +981,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-layers", type=int, default=None,
                         help="LoRA on the last N layers (default: all)")
     parser.add_argument("--attention", choices=["fused", "chunked"], default="fused")
+    parser.add_argument("--tile", default=None,
+                        help="tokens per tile for the sequence-tiled engine (implies chunked "
+                        "attention), or 'auto' to weigh untiled and every tile size")
+    parser.add_argument("--offload", nargs="?", const=True, default=False,
+                        choices=[True, False, "auto"],
+                        type=lambda v: {"auto": "auto", "true": True, "false": False}.get(
+                            v.lower(), v),
+                        help="park boundaries and per-layer inputs in host memory (with --tile); "
+                        "'--offload auto' weighs both")
     parser.add_argument("--quant-bits", type=int, default=None,
                         help="quantize a geometry's weights to N bits (checkpoints carry theirs)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -837,13 +1002,15 @@ def main(args: argparse.Namespace) -> int:
 
     plan = plan_segments(args.model, args.seq, args.batch, args.target_gb, args.time_budget,
                          args.calibrate, args.lora_rank, args.lora_layers, args.dtype,
-                         args.attention, args.quant_bits)
+                         args.attention, args.quant_bits, tile=args.tile, offload=args.offload)
     plan["inputs"]["model"] = str(args.model)
     validate(plan)
     atomic_write_json(args.out, plan)
     print(describe(plan))
     print(f"predicted peak {plan['predicted_peak_gb']:.2f} GB (at {plan['peak_at']}), "
-          f"relative step time {plan['predicted_relative_step_time']:.2f}")
+          f"relative step time {plan['predicted_relative_step_time']:.2f}"
+          + (f", tile {plan['tile']}" if plan["tile"] else "")
+          + (f", {plan['predicted_host_gb']:.2f} GB in host memory" if plan["offload"] else ""))
     if not (plan["meets_target"] and plan["meets_time_budget"]):
         print(f"warning: {plan['message']}", file=sys.stderr)
     return 0

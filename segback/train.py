@@ -58,6 +58,9 @@ class TrainConfig:
     data: str = ""
     adapter_path: str = "adapters"
     plan: Any = "auto"  # "auto" | FILE.json | layers per segment | [(start, stop), ...]
+    attention: str = "fused"  # for plans that do not say: "fused" | "chunked"
+    tile: Any = None  # tokens per tile (sequence-tiled engine), "auto" (planner) or None
+    offload: Any = False  # host-parked boundaries (with tile); "auto" lets the planner choose
     seq: int = 2048
     iters: int = 100
     batch_size: int = 1
@@ -83,6 +86,22 @@ class TrainConfig:
     log: str | None = None
     resume: bool = True
     progress: bool = True
+
+    def __post_init__(self):
+        """Command-line and YAML strings for the engine options: "512", "auto", "true"."""
+        if isinstance(self.tile, str) and self.tile.lower() in ("none", "null", ""):
+            self.tile = None
+        if isinstance(self.tile, str) and self.tile.isdigit():
+            self.tile = int(self.tile)
+        if self.tile not in (None, "auto") and not (isinstance(self.tile, int) and self.tile > 0):
+            raise ValueError(f"tile must be a positive number of tokens or 'auto', not "
+                             f"{self.tile!r}")
+        if isinstance(self.offload, str) and self.offload.lower() in ("true", "false"):
+            self.offload = self.offload.lower() == "true"
+        if self.offload not in (True, False, "auto"):
+            raise ValueError(f"offload must be true, false or 'auto', not {self.offload!r}")
+        if self.attention not in ("fused", "chunked"):
+            raise ValueError(f"attention must be 'fused' or 'chunked', not {self.attention!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -153,27 +172,30 @@ def _lora_parameters(cfg: TrainConfig) -> dict:
     return p
 
 
-def resolve_plan_and_attention(plan: Any, model: nn.Module, seq: int, batch_size: int,
-                               lora_rank: int = 8, num_layers: int = -1
-                               ) -> tuple[list[tuple[int, int]], str]:
-    """Segments and the attention kind ("fused" / "chunked") a plan was made for."""
+def resolve_plan(plan: Any, model: nn.Module, seq: int, batch_size: int, lora_rank: int = 8,
+                 num_layers: int = -1, attention: str = "fused", tile: Any = None,
+                 offload: Any = False) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+    """Segments and the engine options (attention, tile, offload) a plan was made for; the
+    arguments fill in what a plan does not say (`--plan auto` passes them to the planner)."""
     from segback.engine import resolve_segments
-    from segback.engine.segmented import plan_attention
+    from segback.engine.segmented import engine_options
 
     if plan is None or plan == "auto":
-        try:
-            from segback.planner import plan_segments
-        except ImportError as e:
-            raise ValueError(f"--plan auto needs segback.planner ({e}); pass --plan N") from e
+        from segback.planner import plan_segments
+
         plan = plan_segments(model, seq, batch_size=batch_size, lora_rank=lora_rank,
-                             lora_layers=None if num_layers < 0 else num_layers)
+                             lora_layers=None if num_layers < 0 else num_layers,
+                             attention=attention, tile=tile, offload=offload)
     elif isinstance(plan, str) and re.fullmatch(r"\d+", plan):
         plan = int(plan)
     elif isinstance(plan, (str, Path)):
         if not Path(plan).is_file():
             raise ValueError(f"--plan {plan}: not 'auto', an integer or a plan JSON file")
         plan = read_json(plan)
-    return resolve_segments(plan, len(model.layers)), plan_attention(plan)
+    if tile == "auto" or offload == "auto":
+        raise ValueError("tile/offload 'auto' needs --plan auto (the planner chooses them)")
+    return resolve_segments(plan, len(model.layers)), engine_options(plan, attention, tile,
+                                                                     bool(offload))
 
 
 def build_schedule(cfg: TrainConfig) -> Callable:
@@ -379,8 +401,8 @@ def train(
     model.set_dtype(dtype)
     attach_lora(model, cfg)
     model.train()
-    segments, attention = resolve_plan_and_attention(
-        cfg.plan, model, cfg.seq, cfg.batch_size, cfg.lora_rank, cfg.num_layers)
+    segments, engine = resolve_plan(cfg.plan, model, cfg.seq, cfg.batch_size, cfg.lora_rank,
+                                    cfg.num_layers, cfg.attention, cfg.tile, cfg.offload)
     schedule = build_schedule(cfg)
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
 
@@ -413,7 +435,10 @@ def train(
 
     n_trainable = sum(v.size for v in adapter_weights(model).values())
     print(f"segback: {n_trainable / 1e6:.3f}M trainable parameters, {len(segments)} segments "
-          f"{segments}, {attention} attention, dtype {dtype}, {len(train_set)} train examples",
+          f"{segments}, {engine['attention']} attention"
+          + (f", tiles of {engine['tile']} tokens" if engine["tile"] else "")
+          + (", boundaries in host memory" if engine["offload"] else "")
+          + f", dtype {dtype}, {len(train_set)} train examples",
           file=sys.stderr)
 
     def validate(step: int) -> None:
@@ -441,7 +466,7 @@ def train(
             tic = time.perf_counter()
             lr = schedule(mx.array(step - 1)).item()  # what this step's update will use
             loss_v, norm_v, grads, toks_v, input_tokens = _gradients(
-                model, train_set, step, segments, cfg, value_and_grad, attention)
+                model, train_set, step, segments, cfg, value_and_grad, engine)
             if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
                 _diverged(log, out, step, f"loss {loss_v}, grad norm {norm_v}", last_saved)
             optimizer.update(model, grads)
@@ -510,7 +535,7 @@ def train(
 
 
 def _gradients(model: nn.Module, train_set: TokenDataset, step: int, segments: list,
-               cfg: TrainConfig, value_and_grad: Callable, attention: str = "fused"
+               cfg: TrainConfig, value_and_grad: Callable, engine: dict | None = None
                ) -> tuple[float, float, Any, int, int]:
     """Step `step`'s accumulated, averaged and clipped gradients (one eval per micro-batch).
 
@@ -522,8 +547,7 @@ def _gradients(model: nn.Module, train_set: TokenDataset, step: int, segments: l
         batch, lengths = batch_at(train_set, index, cfg.batch_size, cfg.seed, cfg.seq)
         input_tokens += int(mx.sum(lengths[:, 1] + 1).item())
         mx.random.seed(_micro_seed(cfg.seed, index))
-        (loss, toks), grads = value_and_grad(model, batch, lengths, segments,
-                                             attention=attention)
+        (loss, toks), grads = value_and_grad(model, batch, lengths, segments, **(engine or {}))
         acc = grads if acc is None else tree_map(mx.add, acc, grads)
         loss_sum, ntoks = loss_sum + loss, ntoks + toks
         if j < cfg.grad_accum - 1:
@@ -559,6 +583,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-path", default=S, help="output dir for adapters and checkpoints")
     p.add_argument("--plan", default=S,
                    help=f"auto | plan JSON file | layers per segment (default {d.plan})")
+    p.add_argument("--attention", choices=["fused", "chunked"], default=S,
+                   help="attention for plans that do not name one (a plan JSON's wins)")
+    p.add_argument("--tile", default=S, help="tokens per tile for the sequence-tiled engine, "
+                   "or 'auto' (with --plan auto) to let the planner choose")
+    p.add_argument("--offload", default=S, choices=["true", "false", "auto"],
+                   help="park boundaries and per-layer inputs in host memory (with --tile)")
     p.add_argument("--seq", type=int, default=S, help=f"max tokens per example ({d.seq})")
     p.add_argument("--iters", type=int, default=S, help=f"optimizer steps ({d.iters})")
     p.add_argument("--batch-size", type=int, default=S, help=f"examples per micro-batch "

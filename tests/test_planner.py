@@ -194,3 +194,40 @@ def test_calibrated_prediction_matches_engine(name, attention):
             predicted += grads  # the step's gradients are live; AdamW's moments are not
             measured = measured_step_bytes(model, seq_len, plan, attention)
             assert abs(predicted - measured) <= 0.2 * measured, (seq_len, predicted, measured)
+
+
+@pytest.mark.parametrize("name,tile,offload,segments",
+                         [("tiny-e4b", 256, False, None), ("dense", 128, True, 1)])
+def test_tiled_prediction_matches_engine(name, tile, offload, segments):
+    """The tiled engine's cost model (uncalibrated): within 25% of the measured peak where the
+    whole-sequence arrays dominate (4K here), and conservative (over, never far over) below."""
+    model = lora_model(CALIBRATED[name])
+    grads = read_geometry(model).lora_params * 4
+    for seq_len, low, high in ((1024, 1.0, 2.2), (4096, 0.75, 1.25)):
+        plan = plan_segments(model, seq_len, tile=tile, offload=offload, segments=segments)
+        validate(plan)
+        assert (plan["attention"], plan["tile"], plan["offload"]) == ("chunked", tile, offload)
+        bd = plan["breakdown"]
+        predicted = (plan["predicted_peak_gb"] - bd["weights"] - bd["lora_optimizer"]) * GB
+        measured = measured_step_bytes(model, seq_len, plan)  # the engine reads tile/offload
+        assert low * measured <= predicted + grads <= high * measured, (seq_len, predicted,
+                                                                         measured)
+
+
+def test_tiling_plans_long_context_e4b_under_the_untiled_floor():
+    """e4b at 128K: the untiled (chunked) floor is ~90 GB; tiles with host-parked boundaries
+    bring the plan under 24 GB, and `tile="auto"` picks the fastest configuration meeting a
+    target (untiled when it fits, as at 8K)."""
+    untiled = plan_segments("e4b", 131072, quant_bits=4, attention="chunked")
+    tiled = plan_segments("e4b", 131072, quant_bits=4, tile=1024, offload=True)
+    assert untiled["predicted_peak_gb"] > 60 and tiled["predicted_peak_gb"] < 24
+    assert tiled["predicted_host_gb"] > 1 and untiled["predicted_host_gb"] == 0
+    assert tiled["predicted_relative_step_time"] > untiled["predicted_relative_step_time"]
+    validate(tiled)
+    auto = plan_segments("e4b", 131072, quant_bits=4, tile="auto", offload="auto", target_gb=24)
+    assert auto["meets_target"] and auto["tile"] and auto["predicted_peak_gb"] <= 24
+    assert auto["inputs"]["tile"] == "auto"
+    short = plan_segments("e4b", 8192, quant_bits=4, tile="auto", target_gb=30)
+    assert short["tile"] is None and short["meets_target"]
+    with pytest.raises(ValueError, match="offload needs a tile"):
+        plan_segments("e4b", 8192, quant_bits=4, offload=True)

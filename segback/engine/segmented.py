@@ -54,9 +54,16 @@ def resolve_segments(segments: Any, num_layers: int) -> list[tuple[int, int]]:
 
 def plan_attention(plan: Any, default: str = "fused") -> str:
     """The attention kind a plan dict was made for (its own key or its `inputs`), else default."""
-    if isinstance(plan, dict):
-        return plan.get("attention") or plan.get("inputs", {}).get("attention") or default
-    return default
+    return plan_option(plan, "attention", default)
+
+
+def engine_options(plan: Any, attention: str = "fused", tile: int | None = None,
+                   offload: bool = False) -> dict[str, Any]:
+    """The engine settings (attention, tile, offload) a plan was made for; the arguments are the
+    defaults for what the plan does not say (a list of ranges or a count says nothing)."""
+    tile = plan_option(plan, "tile", tile)
+    return dict(attention="chunked" if tile else plan_attention(plan, attention), tile=tile,
+                offload=bool(plan_option(plan, "offload", offload)))
 
 
 def _split_trainable(model: nn.Module, stack: Stack):
@@ -81,13 +88,17 @@ def _binder(module: nn.Module, keys: list[str]):
 
 
 def plan_option(plan: Any, key: str, default: Any) -> Any:
-    """A plan dict's own setting for `key` (top level or its `inputs`), else `default`."""
-    if isinstance(plan, dict):
-        if plan.get(key) is not None:
-            return plan[key]
-        if plan.get("inputs", {}).get(key) is not None:
-            return plan["inputs"][key]
-    return default
+    """A plan dict's own setting for `key`, else `default`.
+
+    The top level holds what the planner chose (null tile = untiled); a plan made before those
+    keys existed only has its `inputs` (the attention it was asked for).
+    """
+    if not isinstance(plan, dict):
+        return default
+    if key in plan:
+        return default if plan[key] is None else plan[key]
+    value = plan.get("inputs", {}).get(key)
+    return default if value is None or value == "auto" else value
 
 
 def value_and_grad(
@@ -112,9 +123,8 @@ def value_and_grad(
     "attention", "tile" and "offload" win. `stats`, if given, receives "host_gb". `compile`
     traces each tiled layer's tile functions once (`mx.compile`; skipped with LoRA dropout).
     """
-    attention = plan_attention(segments, attention)
-    tile = plan_option(segments, "tile", tile)
-    offload = bool(plan_option(segments, "offload", offload))
+    opts = engine_options(segments, attention, tile, offload)
+    attention, tile, offload = opts["attention"], opts["tile"], opts["offload"]
     if attention not in ("fused", "chunked"):
         raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
     if offload and not tile:
