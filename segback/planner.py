@@ -302,8 +302,11 @@ def resolve_model(
 
         model, _ = load_model(path, lazy=True, strict=False)
         return model, str(model_or_config)
-    from segback.models.geometry import geometry_config
+    from segback.models.geometry import GEOMETRIES, geometry_config
 
+    if str(model_or_config) not in GEOMETRIES:
+        raise ValueError(f"model {str(model_or_config)!r} is neither an MLX checkpoint directory "
+                         f"nor a geometry name ({', '.join(sorted(GEOMETRIES))})")
     return lazy_model(geometry_config(str(model_or_config)), dt, quant_bits), str(model_or_config)
 
 
@@ -1000,9 +1003,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from segback.io import atomic_write_json
 
-    plan = plan_segments(args.model, args.seq, args.batch, args.target_gb, args.time_budget,
-                         args.calibrate, args.lora_rank, args.lora_layers, args.dtype,
-                         args.attention, args.quant_bits, tile=args.tile, offload=args.offload)
+    try:
+        plan = plan_segments(args.model, args.seq, args.batch, args.target_gb, args.time_budget,
+                             args.calibrate, args.lora_rank, args.lora_layers, args.dtype,
+                             args.attention, args.quant_bits, tile=args.tile,
+                             offload=args.offload)
+    except (ValueError, FileNotFoundError) as e:  # user-fixable: no traceback
+        print(f"segback plan: error: {e}", file=sys.stderr)
+        return 2
     plan["inputs"]["model"] = str(args.model)
     validate(plan)
     atomic_write_json(args.out, plan)

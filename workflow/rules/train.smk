@@ -21,6 +21,9 @@ rule plan_segments:
         ),
         target_gb=opt("--target-gb", TRAIN["target_gb"]),
         time_budget=opt("--time-budget", TRAIN["time_budget"]),
+        attention=TRAIN["attention"],
+        tile=opt("--tile", TRAIN["tile"]),
+        offload=opt("--offload", TRAIN["offload"] or None),
     log:
         "results/logs/{model}/seq{seq}/plan_segments.log",
     benchmark:
@@ -32,7 +35,7 @@ rule plan_segments:
     shell:
         "segback plan --model {input.model} --seq {params.seq} --batch {params.batch}"
         " --lora-rank {params.lora_rank} {params.lora_layers} {params.target_gb}"
-        " {params.time_budget}"
+        " {params.time_budget} --attention {params.attention} {params.tile} {params.offload}"
         " --out {output} > {log} 2>&1"
 
 
