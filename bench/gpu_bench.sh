@@ -13,17 +13,18 @@ if [ "$part" = table ]; then
   $B --seq 8192 --steps 2 --modes ckpt,segmented --timeout 150
   $B --seq 16384 --steps 1 --modes segmented --timeout 150
 elif [ "$part" = tiled ]; then
-  # Issue 7: sequence-tiled layers + host-parked boundaries, one layer per segment.
-  T="--modes segmented --segments 1 --attention chunked --max-ops-per-buffer 4 --offload"
+  # Issue 7: sequence-tiled layers, planner-chosen segments (its prediction is in each row),
+  # with and without host-parked boundaries; then mlx-lm's checkpointed run and attention alone.
+  T="--modes segmented --max-ops-per-buffer 4"
   $B --seq 8192 --steps 2 $T --tile 4096 --timeout 100
-  $B --seq 8192 --steps 2 $T --tile 2048 --timeout 100
-  $B --seq 32768 --steps 1 $T --tile 4096 --timeout 150
-  $B --seq 131072 --steps 1 $T --tile 4096 --timeout 420
+  $B --seq 8192 --steps 2 $T --tile 4096 --offload --timeout 100
   $B --seq 8191 --steps 2 --modes ckpt --timeout 100
+  $B --seq 32768 --steps 1 $T --tile 4096 --offload --timeout 150
+  $B --seq 131072 --steps 1 $T --tile 4096 --offload --timeout 420
   python3 bench/attention_bench.py --device gpu --dtype bfloat16 --heads 8 --kv-heads 2 \
     --head-dim 256 --windows 512 --lengths 32768 --paths fused chunked > $out/attention.jsonl
-  $B --seq 16384 --steps 1 $T --tile 4096 --timeout 120
-  $B --seq 65536 --steps 1 $T --tile 4096 --timeout 240
+  $B --seq 16384 --steps 1 $T --tile 4096 --offload --timeout 120
+  $B --seq 65536 --steps 1 $T --tile 4096 --offload --timeout 240
 else
   for L in 8192 16384 32768 65536 131072; do
     $B --seq $L --steps 1 --modes segmented --attention chunked --max-ops-per-buffer 4 --timeout 240

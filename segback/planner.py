@@ -419,13 +419,10 @@ class CostModel:
         masks = L * L * len(windows) if self.attention == "fused" else 0  # bool [L, L]
         return float(self.per_layer_input_bytes() + masks)
 
-    def segment_bytes(self, a: int, b: int) -> float:
-        """Transient of segment [a, b)'s vjp: activations, attention, h_out and dh_in (tiled:
-        the recomputed inputs of its layers up to the one running, and that layer's backward)."""
-        return float(self.segment_matrix()[a, b])
-
     def segment_matrix(self) -> np.ndarray:
-        """S[a, b] = segment_bytes(a, b) for all 0 <= a < b <= N (inf elsewhere)."""
+        """S[a, b]: the transient of segment [a, b)'s backward, for all 0 <= a < b <= N (inf
+        elsewhere). Untiled: its activations, attention, h_out and dh_in; tiled: the recomputed
+        inputs of its layers up to the one running, plus that layer's backward."""
         n, c = self.g.num_layers, self.coef
         S = np.full((n + 1, n + 1), np.inf)
         if self.tile:
@@ -537,27 +534,25 @@ class CostModel:
             qkv.append(g.qkv_flops * quant * L * B)
         return np.array(fwd), np.array(bwd), np.array(qkv)
 
-    def relative_step_time(self, segments: int | Sequence[tuple[int, int]]) -> float:
+    def relative_step_time(self, segments: Sequence[tuple[int, int]]) -> float:
         """Segmented step time over one plain forward+backward (same loss head).
 
-        Untiled: the recompute costs one forward in total. Tiled: a layer's forward computes
-        Q/K/V twice (pre pass, then inside the post pass); its backward recomputes Q/K/V and the
-        attention output, then runs the post pass's VJP, attention's and the pre pass's VJP;
-        and each segment first recomputes the inputs of its layers above the first.
+        Untiled: the recompute costs one forward in total. Tiled: the forward is the layer's
+        own (the post pass's Q/K/V projections feed nothing, so MLX never computes them); a
+        layer's backward recomputes Q/K/V and the attention output, runs the post pass, its
+        VJP, attention's VJP and the pre pass's VJP (which recomputes Q/K/V once more); and
+        each segment first recomputes the inputs of its layers above the first.
         """
         fwd, bwd, qkv = self._flops()
         rows = self.B * (self.L - 1)
         head = 2.0 * self.g.hidden * self.g.vocab * rows * 3  # forward + dX
         base = fwd.sum() + bwd.sum() + head
-        n_seg = segments if isinstance(segments, int) else len(segments)
+        n_seg = len(segments)
         if not self.tile:
             return float(1.0 + fwd.sum() / base + SEGMENT_OVERHEAD * n_seg)
-        if isinstance(segments, int):
-            raise ValueError("a tiled step's time depends on the cut: pass the segments")
-        fwd_t = qkv + fwd  # pre pass + attention + post pass
-        vjp = 2 * qkv + fwd + bwd  # pre + attention + post-VJP + attention VJP + pre-VJP
-        inner = sum(fwd_t[a:b - 1].sum() for a, b in segments)
-        return float((fwd_t.sum() + vjp.sum() + inner + head) / base + SEGMENT_OVERHEAD * n_seg)
+        vjp = fwd + bwd + qkv  # recompute + post/attention/pre VJPs + the pre-VJP's Q/K/V
+        inner = sum(fwd[a:b - 1].sum() for a, b in segments)
+        return float((fwd.sum() + vjp.sum() + inner + head) / base + SEGMENT_OVERHEAD * n_seg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -619,26 +614,32 @@ def choose(
     cost: CostModel, target_gb: float | None, time_budget: float | None
 ) -> tuple[list[tuple[int, int]], bool, bool, str]:
     """(segments, meets_target, meets_time_budget, message) under the strategy of the brief:
-    the fewest segments whose peak meets the target, else the minimum-peak plan."""
+    the fastest plan whose peak meets the target, else the minimum-peak plan (ties go to the
+    faster). Untiled, fewer segments are faster; tiled, more are (a segment of k layers
+    recomputes k - 1 layer inputs in its backward)."""
     plans = _best_by_count(cost)
     peaks = {j: cost.evaluate(p)["peak"] for j, p in plans.items()}
     times = {j: cost.relative_step_time(p) for j, p in plans.items()}
     in_time = [j for j in plans if time_budget is None or times[j] <= time_budget]
     meets_time = bool(in_time)
+    def fastest(js):
+        return min(js, key=lambda j: (times[j], j))
+
     if not in_time:
-        j = min(plans)
+        j = fastest(plans)
         return plans[j], target_gb is None or peaks[j] <= target_gb * GB, False, (
             f"time budget {time_budget} is below the fastest plan's relative step time "
-            f"{times[j]:.3f} (the recompute forward alone costs that): returning 1 segment")
+            f"{times[j]:.3f} (the recompute forward alone costs that): returning that plan "
+            f"({j} segments)")
     floor = min(peaks[j] for j in in_time)
     near_floor = [j for j in in_time if peaks[j] <= floor * (1 + TIE_FRACTION)]
-    j_min = min(near_floor)
+    j_min = fastest(near_floor)
     if target_gb is None:
         return plans[j_min], True, meets_time, (
             f"minimum-peak plan: {j_min} segments, {peaks[j_min] / GB:.2f} GB")
     ok = [j for j in in_time if peaks[j] <= target_gb * GB]
     if ok:
-        j = min(ok)
+        j = fastest(ok)
         return plans[j], True, meets_time, (
             f"{j} segments meet the {target_gb:g} GB target at {peaks[j] / GB:.2f} GB")
     what = " within the time budget" if time_budget is not None else ""
