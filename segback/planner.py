@@ -280,11 +280,14 @@ def read_geometry(
 
 def lazy_model(config: dict, dtype: mx.Dtype = mx.bfloat16, quant_bits: int | None = None,
                group_size: int = 64) -> nn.Module:
-    """An mlx-lm model from a config dict whose weights are never materialized."""
+    """An mlx-lm model from a config dict whose weights are never materialized (frozen: the
+    planner counts rank-r LoRA on every linear, not the base weights, as trainable)."""
     from segback.models.geometry import build_model
 
-    return build_model(config, dtype=dtype, quantize_bits=quant_bits, group_size=group_size,
-                       materialize=False)
+    model = build_model(config, dtype=dtype, quantize_bits=quant_bits, group_size=group_size,
+                        materialize=False)
+    model.freeze()
+    return model
 
 
 def resolve_model(
@@ -301,6 +304,7 @@ def resolve_model(
         from mlx_lm.utils import load_model
 
         model, _ = load_model(path, lazy=True, strict=False)
+        model.freeze()  # a base checkpoint: LoRA is what will train
         return model, str(model_or_config)
     from segback.models.geometry import GEOMETRIES, geometry_config
 
@@ -842,6 +846,7 @@ def plan_segments(
         model_id = str(model_or_config if isinstance(model_or_config, str)
                        else config["model_type"])
         model_or_config = build_model(config, dtype=DTYPES[dtype], quantize_bits=quant_bits)
+        model_or_config.freeze()  # calibration attaches LoRA to the layers it measures
     else:
         model_id = None
     model, default_id = resolve_model(model_or_config, dtype, quant_bits)

@@ -231,3 +231,19 @@ def test_tiling_plans_long_context_e4b_under_the_untiled_floor():
     assert short["tile"] is None and short["meets_target"]
     with pytest.raises(ValueError, match="offload needs a tile"):
         plan_segments("e4b", 8192, quant_bits=4, offload=True)
+
+
+def test_unquantized_geometry_counts_lora_not_base_weights_as_trainable(tmp_path):
+    """A geometry or checkpoint is a base model: rank-r LoRA on every linear trains (AdamW's
+    grads + 2 moments, float32), not its float weights."""
+    # tiny-llama, per layer: q 64->64, k/v 64->32, o 64->64, gate/up 64->128, down 128->64
+    per_layer = 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 128) * 3)
+    expected = 4 * per_layer * 4 * 3 / GB
+    assert plan_segments("tiny-llama", 512)["breakdown"]["lora_optimizer"] == pytest.approx(
+        expected)
+    from mlx_lm.utils import save_model
+
+    save_model(tmp_path, build_model("tiny-llama"))
+    (tmp_path / "config.json").write_text(json.dumps(geometry_config("tiny-llama")))
+    plan = plan_segments(str(tmp_path), 512)
+    assert plan["breakdown"]["lora_optimizer"] == pytest.approx(expected)

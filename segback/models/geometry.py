@@ -68,6 +68,19 @@ GEOMETRIES: dict[str, dict] = {
         hidden_size_per_layer_input=256, sliding_window=512, layer_types=_E4B_TYPES,
         final_logit_softcapping=30.0, tie_word_embeddings=True,
     ),
+    # Six layers of e4b at full width (MLP 10240, 20480 on the two KV-sharing layers, which read
+    # donors 2 and 3), with a small vocabulary: where a layer's token-wise activations dominate,
+    # for CPU benchmarks of the tiled engine.
+    "e4b-slice": dict(
+        model_type="gemma4_text", hidden_size=2560, num_hidden_layers=6,
+        intermediate_size=10240, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        global_head_dim=512, rms_norm_eps=1e-6, vocab_size=16384,
+        vocab_size_per_layer_input=16384, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=256, sliding_window=512,
+        layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
+                                                 "full_attention"],
+        final_logit_softcapping=30.0, tie_word_embeddings=True,
+    ),
     # A small dense model with a real-sized vocabulary, for CPU benchmarks in minutes.
     "dense-256": dict(
         model_type="llama", hidden_size=256, num_hidden_layers=8, intermediate_size=768,
