@@ -511,14 +511,9 @@ class CostModel:
 
     # --- time -----------------------------------------------------------------------------
 
-    def layer_flops(self) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) FLOPs of each layer for the whole batch, as a plain step runs it
-        (fused: the attention kernel MLX's plain backward runs; chunked: ours)."""
-        fwd, bwd, _ = self._flops()
-        return fwd, bwd
-
     def _flops(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(forward, backward, q/k/v projection forward) FLOPs of each layer."""
+        """(forward, backward, q/k/v projection forward) FLOPs of each layer for the whole batch
+        (fused: the attention MLX's plain backward runs; chunked: ours)."""
         L, B = self.L, self.B
         fwd, bwd, qkv = [], [], []
         for g in self.g.layers:
