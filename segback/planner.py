@@ -828,8 +828,9 @@ def plan_segments(
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
-    if isinstance(tile, str) and tile.isdigit():
-        tile = int(tile)
+    from segback.engine.segmented import tiling_options
+
+    tile, offload = tiling_options(tile, offload)
     configs = tile_configs(seq_len, attention, tile, offload)
     if calibrate and _is_lazy_random(model_or_config):  # measuring needs real weights
         from segback.models.geometry import build_model, geometry_config
@@ -916,11 +917,8 @@ def plan_segments(
 
 def tile_configs(seq_len: int, attention: str, tile: int | str | None,
                  offload: bool | str) -> list[tuple[str, int | None, bool]]:
-    """(attention, tile, offload) configurations the planner weighs for these options."""
-    if tile not in (None, "auto") and not (isinstance(tile, int) and tile >= 1):
-        raise ValueError(f"tile must be a positive number of tokens, 'auto' or None, not {tile!r}")
-    if offload not in (True, False, "auto"):
-        raise ValueError(f"offload must be true, false or 'auto', not {offload!r}")
+    """(attention, tile, offload) configurations the planner weighs for these options (as
+    `segback.engine.segmented.tiling_options` returns them)."""
     if offload is True and tile is None:
         raise ValueError("offload needs a tile size (--tile N or --tile auto)")
     offloads = [False, True] if offload == "auto" else [bool(offload)]

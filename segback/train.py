@@ -89,17 +89,9 @@ class TrainConfig:
 
     def __post_init__(self):
         """Command-line and YAML strings for the engine options: "512", "auto", "true"."""
-        if isinstance(self.tile, str) and self.tile.lower() in ("none", "null", ""):
-            self.tile = None
-        if isinstance(self.tile, str) and self.tile.isdigit():
-            self.tile = int(self.tile)
-        if self.tile not in (None, "auto") and not (isinstance(self.tile, int) and self.tile > 0):
-            raise ValueError(f"tile must be a positive number of tokens or 'auto', not "
-                             f"{self.tile!r}")
-        if isinstance(self.offload, str) and self.offload.lower() in ("true", "false"):
-            self.offload = self.offload.lower() == "true"
-        if self.offload not in (True, False, "auto"):
-            raise ValueError(f"offload must be true, false or 'auto', not {self.offload!r}")
+        from segback.engine.segmented import tiling_options
+
+        self.tile, self.offload = tiling_options(self.tile, self.offload)
         if self.attention not in ("fused", "chunked"):
             raise ValueError(f"attention must be 'fused' or 'chunked', not {self.attention!r}")
 

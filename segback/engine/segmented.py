@@ -57,6 +57,21 @@ def plan_attention(plan: Any, default: str = "fused") -> str:
     return plan_option(plan, "attention", default)
 
 
+def tiling_options(tile: Any, offload: Any) -> tuple[int | str | None, bool | str]:
+    """`tile` and `offload` as the CLI, YAML or Python give them ("512", "auto", "true", 512,
+    True...) as (tokens | "auto" | None, True | False | "auto"); a clear error otherwise."""
+    if isinstance(tile, str):
+        low = tile.strip().lower()
+        tile = None if low in ("", "none", "null") else int(low) if low.isdigit() else low
+    if tile not in (None, "auto") and not (type(tile) is int and tile >= 1):
+        raise ValueError(f"tile must be a positive number of tokens, 'auto' or None, not {tile!r}")
+    if isinstance(offload, str) and offload.strip().lower() in ("true", "false"):
+        offload = offload.strip().lower() == "true"
+    if offload not in (True, False, "auto"):
+        raise ValueError(f"offload must be true, false or 'auto', not {offload!r}")
+    return tile, offload
+
+
 def engine_options(plan: Any, attention: str = "fused", tile: int | None = None,
                    offload: bool = False) -> dict[str, Any]:
     """The engine settings (attention, tile, offload) a plan was made for; the arguments are the
