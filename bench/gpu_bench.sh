@@ -21,7 +21,7 @@ elif [ "$part" = tiled ]; then
   $B --seq 8191 --steps 2 --modes ckpt --timeout 90
   $B --seq 32768 --steps 1 $T --timeout 150
   timeout 120 python3 bench/attention_bench.py --device gpu --dtype bfloat16 --heads 8 \
-    --kv-heads 2 --head-dim 256 --windows 512 --lengths 32768 --paths fused chunked \
+    --kv-heads 2 --head-dim 256 --windows 512 0 --lengths 32768 --paths fused chunked \
     > $out/attention.jsonl
   $B --seq 131072 --steps 0 $T --timeout 400
 elif [ "$part" = tiled2 ]; then
