@@ -25,13 +25,17 @@ elif [ "$part" = tiled ]; then
     > $out/attention.jsonl
   $B --seq 131072 --steps 0 $T --timeout 400
 elif [ "$part" = tiled2 ]; then
-  # The rest of the table and the tile-size trade-off at 8K.
-  T="--modes segmented --max-ops-per-buffer 4"
-  $B --seq 16384 --steps 1 $T --tile 1024 --offload --timeout 90
-  $B --seq 65536 --steps 0 $T --tile 1024 --offload --timeout 200
-  $B --seq 8192 --steps 2 $T --tile 2048 --offload --timeout 90
-  $B --seq 8192 --steps 2 $T --tile 4096 --offload --timeout 90
-  $B --seq 8192 --steps 2 $T --tile 1024 --timeout 90
+  # Where the tiled step's GPU time goes: first step (CUDA JIT of the compiled tile functions)
+  # vs steady state, compiled vs eager; the faster one runs the rest of the table.
+  T="--modes segmented --max-ops-per-buffer 4 --tile 1024 --offload"
+  $B --seq 8192 --steps 2 $T --timeout 150
+  $B --seq 8192 --steps 2 $T --eager --timeout 120
+  E=$(python3 -c "import json,sys; r=[json.loads(l) for l in open('$out/bench.jsonl')][-2:]; \
+t=[x.get('s_per_step', 1e9) for x in r]; print('--eager' if t[1] < t[0] else '')")
+  $B --seq 32768 --steps 1 $T $E --timeout 200
+  $B --seq 16384 --steps 1 $T $E --timeout 120
+  $B --seq 65536 --steps 0 $T $E --timeout 200
+  $B --seq 8192 --steps 2 --modes segmented --tile 1024 --offload $E --timeout 100
 else
   for L in 8192 16384 32768 65536 131072; do
     $B --seq $L --steps 1 --modes segmented --attention chunked --max-ops-per-buffer 4 --timeout 240

@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per tile for the layers' token-wise parts (segmented only)")
     p.add_argument("--offload", action="store_true",
                    help="park boundaries and per-layer inputs in host memory (with --tile)")
+    p.add_argument("--eager", action="store_true",
+                   help="run the tile functions op by op instead of mx.compile'd (with --tile)")
     p.add_argument("--prompt-frac", type=float, default=0.0,
                    help="fraction of tokens masked out of the loss as prompt")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
@@ -111,12 +113,13 @@ def run_worker(args) -> dict:
         else:
             row["segments"] = plan
         row["attention"] = "chunked" if args.tile else args.attention
-        row.update(tile=args.tile, offload=args.offload)
+        row.update(tile=args.tile, offload=args.offload, compile=not args.eager)
         stats: dict = {}
 
         def vg(m, b, lens):
             return value_and_grad(m, b, lens, row["segments"], attention=args.attention,
-                                  tile=args.tile, offload=args.offload, stats=stats)
+                                  tile=args.tile, offload=args.offload, stats=stats,
+                                  compile=not args.eager)
     else:
         if mode == "ckpt":
             grad_checkpoint(model.layers[0])
@@ -140,6 +143,7 @@ def run_worker(args) -> dict:
     if mode == "segmented" and args.offload:
         row["host_gb"] = round(stats.get("host_gb", 0.0), 3)
     row.update(peak_gb=round(max(peaks), 3), s_per_step=round(sec, 4),
+               first_step_s=round(times[0], 4),
                tokens_per_s=round(B * L / sec, 1), steps=args.steps)
     return row
 
