@@ -2,7 +2,7 @@
 # The H200 table of bench/RESULTS.md: e4b geometry (random weights, 4-bit, LoRA rank 8 on every
 # linear of all 42 layers), mlx-lm full / per-layer checkpoint vs segback segmented.
 # Usage on the GPU machine (after step 1 of ../shared/device/README.md):
-#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2} OUT_DIR
+#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2|tiled3} OUT_DIR
 set -u
 part=$1; out=$2
 B="python3 -m segback.cli bench --model e4b --quant-bits 4 --out $out/bench.jsonl"
@@ -36,6 +36,13 @@ t=[x.get('s_per_step', 1e9) for x in r]; print('--eager' if t[1] < t[0] else '')
   $B --seq 16384 --steps 1 $T $E --timeout 120
   $B --seq 65536 --steps 0 $T $E --timeout 200
   $B --seq 8192 --steps 2 --modes segmented --tile 1024 --offload $E --timeout 100
+elif [ "$part" = tiled3 ]; then
+  # Two tiles in flight (host builds tile t+1 while the GPU runs tile t), eager on CUDA; tile sizes.
+  T="--modes segmented --max-ops-per-buffer 4 --offload"
+  $B --seq 8192 --steps 2 $T --tile 1024 --timeout 75
+  $B --seq 8192 --steps 2 $T --tile 2048 --timeout 75
+  $B --seq 32768 --steps 1 $T --tile 1024 --timeout 110
+  $B --seq 8192 --steps 2 $T --tile 4096 --timeout 75
 else
   for L in 8192 16384 32768 65536 131072; do
     $B --seq $L --steps 1 --modes segmented --attention chunked --max-ops-per-buffer 4 --timeout 240

@@ -37,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per tile for the layers' token-wise parts (segmented only)")
     p.add_argument("--offload", action="store_true",
                    help="park boundaries and per-layer inputs in host memory (with --tile)")
-    p.add_argument("--eager", action="store_true",
-                   help="run the tile functions op by op instead of mx.compile'd (with --tile)")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="mx.compile the tile functions (with --tile); auto: on the CPU only")
     p.add_argument("--prompt-frac", type=float, default=0.0,
                    help="fraction of tokens masked out of the loss as prompt")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
@@ -113,13 +113,14 @@ def run_worker(args) -> dict:
         else:
             row["segments"] = plan
         row["attention"] = "chunked" if args.tile else args.attention
-        row.update(tile=args.tile, offload=args.offload, compile=not args.eager)
+        compile_tiles = {"on": True, "off": False}.get(args.compile, mx.default_device() == mx.cpu)
+        row.update(tile=args.tile, offload=args.offload, compile=compile_tiles)
         stats: dict = {}
 
         def vg(m, b, lens):
             return value_and_grad(m, b, lens, row["segments"], attention=args.attention,
                                   tile=args.tile, offload=args.offload, stats=stats,
-                                  compile=not args.eager)
+                                  compile=compile_tiles)
     else:
         if mode == "ckpt":
             grad_checkpoint(model.layers[0])
