@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="park boundaries and per-layer inputs in host memory (with --tile)")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="mx.compile the tile functions (with --tile); auto: on the CPU only")
+    p.add_argument("--in-flight", type=int, default=None, choices=[1, 2],
+                   help="tiles in flight (with --tile); default: segback.engine.tiled.IN_FLIGHT")
     p.add_argument("--prompt-frac", type=float, default=0.0,
                    help="fraction of tokens masked out of the loss as prompt")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
@@ -104,6 +106,9 @@ def run_worker(args) -> dict:
     mx.eval(model.parameters(), opt.state, batch)
     row = {"mode": mode, "model": args.model, "seq": L, "batch": B,
            "device": str(mx.default_device()), "mlx": mx.__version__}
+    for var in ("MLX_MAX_OPS_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE"):
+        if var in os.environ:
+            row[var.lower()] = int(os.environ[var])
 
     if mode == "segmented":
         plan = _segments(args, model)
@@ -114,7 +119,12 @@ def run_worker(args) -> dict:
             row["segments"] = plan
         row["attention"] = "chunked" if args.tile else args.attention
         compile_tiles = {"on": True, "off": False}.get(args.compile, mx.default_device() == mx.cpu)
-        row.update(tile=args.tile, offload=args.offload, compile=compile_tiles)
+        from segback.engine import tiled
+
+        if args.in_flight:
+            tiled.IN_FLIGHT = args.in_flight
+        row.update(tile=args.tile, offload=args.offload, compile=compile_tiles,
+                   in_flight=tiled.IN_FLIGHT)
         stats: dict = {}
 
         def vg(m, b, lens):

@@ -254,18 +254,25 @@ class LayerCall:
         return attention_shape(B, H, L, L, window)
 
 
-class InFlight:
-    """At most two tiles in flight: schedule tile t, then wait for tile t-1.
+# Tiles in flight at once: 1 evaluates each tile before building the next; 2 schedules tile t,
+# then waits for tile t-1 (bench --in-flight measures both).
+IN_FLIGHT = 2
 
-    A blocking eval per tile leaves the GPU idle while the host builds the next tile's graph
-    (measured on the H200: a 1024-token tile's eager ops cost about as much host time as device
-    time); two in flight hide that for one more tile of transients.
+
+class InFlight:
+    """At most `IN_FLIGHT` tiles in flight.
+
+    A blocking eval per tile leaves the GPU idle while the host builds the next tile's graph;
+    two in flight can hide that, for one more tile of transients.
     """
 
     def __init__(self):
         self.prev: tuple | None = None
 
     def push(self, *arrays) -> None:
+        if IN_FLIGHT < 2:
+            mx.eval(*arrays)
+            return
         mx.async_eval(*arrays)
         self.drain()
         self.prev = arrays
