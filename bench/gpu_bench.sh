@@ -2,7 +2,7 @@
 # The H200 table of bench/RESULTS.md: e4b geometry (random weights, 4-bit, LoRA rank 8 on every
 # linear of all 42 layers), mlx-lm full / per-layer checkpoint vs segback segmented.
 # Usage on the GPU machine (after step 1 of ../shared/device/README.md):
-#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2|tiled3} OUT_DIR
+#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2|tiled3|tiled4|tiled5} OUT_DIR
 set -u
 part=$1; out=$2
 B="python3 -m segback.cli bench --model e4b --quant-bits 4 --out $out/bench.jsonl"
@@ -43,6 +43,20 @@ elif [ "$part" = tiled3 ]; then
   $B --seq 8192 --steps 2 $T --tile 2048 --timeout 75
   $B --seq 32768 --steps 1 $T --tile 1024 --timeout 110
   $B --seq 8192 --steps 2 $T --tile 4096 --timeout 75
+elif [ "$part" = tiled4 ]; then
+  # After the offload copies moved to a worker thread (bench/tiled_profile.py --step found them
+  # at 1.5 s of a 6.3 s step): step split, then the table at tile 2048, two tiles in flight.
+  timeout 150 python3 bench/tiled_profile.py --model e4b --quant-bits 4 --seq 8192 --step \
+    --tiles 2048 > $out/step_parts.jsonl
+  T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2"
+  $B --seq 8192 --steps 2 $T --tile 2048 --timeout 75
+  $B --seq 8191 --steps 2 --modes ckpt --timeout 75
+  $B --seq 16384 --steps 1 $T --tile 2048 --timeout 75
+  $B --seq 32768 --steps 1 $T --tile 2048 --timeout 110
+elif [ "$part" = tiled5 ]; then
+  T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2 --tile 1024"
+  $B --seq 65536 --steps 0 $T --timeout 150
+  $B --seq 131072 --steps 0 $T --timeout 330
 else
   for L in 8192 16384 32768 65536 131072; do
     $B --seq $L --steps 1 --modes segmented --attention chunked --max-ops-per-buffer 4 --timeout 240

@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from segback.engine import tiled
+from segback.engine import offload, tiled
 from segback.engine.attention import use_chunked_attention
 from segback.engine.segmented import _split_trainable
 from segback.models.geometry import build_model
@@ -150,13 +150,13 @@ def step_parts(model, args, meta) -> None:
     batch = mx.random.randint(0, vocab, (1, L + 1))
     lengths = mx.array([[0, L]])
     segments = [[i, i + 1] for i in range(len(model.layers))]
-    saved = (tiled.layer_forward, tiled.layer_vjp, segmented.head_vjp, tiled.HostStore.put,
-             tiled.HostStore.get)
+    saved = (tiled.layer_forward, tiled.layer_vjp, segmented.head_vjp, offload.HostStore.put,
+             offload.HostStore.get)
     tiled.layer_forward = timed("layer_forward", tiled.layer_forward)
     tiled.layer_vjp = timed("layer_vjp", tiled.layer_vjp)
     segmented.head_vjp = timed("head", segmented.head_vjp)
-    tiled.HostStore.put = timed("offload_put", tiled.HostStore.put)
-    tiled.HostStore.get = timed("offload_get", tiled.HostStore.get)
+    offload.HostStore.put = timed("offload_put", offload.HostStore.put)
+    offload.HostStore.get = timed("offload_get", offload.HostStore.get)
     try:
         for tile in args.tiles:
             for head in args.head_elements:
@@ -181,8 +181,8 @@ def step_parts(model, args, meta) -> None:
                                   "peak_gb": round(memory_stats()["peak_gb"], 3), **parts}),
                       flush=True)
     finally:
-        (tiled.layer_forward, tiled.layer_vjp, segmented.head_vjp, tiled.HostStore.put,
-         tiled.HostStore.get) = saved
+        (tiled.layer_forward, tiled.layer_vjp, segmented.head_vjp, offload.HostStore.put,
+         offload.HostStore.get) = saved
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from segback.engine.offload import MAX_PENDING
+
 GB = 1024**3  # as segback.engine.memory
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "plan.schema.json"
 
@@ -378,19 +380,23 @@ class CostModel:
         # A stored segment boundary on the device, and what a segment's backward always holds
         # besides its transient: its own input boundary and dh (untiled), or only dh (tiled:
         # the segment's inputs are part of its transient).
+        # Offloaded, the previous segment's boundary is prefetched during this one's backward.
         self.boundary_bytes = 0.0 if self.offload else float(self.hidden_bytes)
         self.fixed_bytes = float(self.hidden_bytes if self.tile else 2 * self.hidden_bytes)
+        if self.offload:
+            self.fixed_bytes += self.hidden_bytes
 
     def _tiled_layer(self, g: LayerGeom) -> float:
         """One tiled layer's backward, bytes: Q, dO, dQ and the own K, V over the whole sequence,
         float32 dK/dV accumulators and their casts, rowsum(dO * O), dh_in, one tile's
-        activations and cotangents, and (offload) the layer's per-layer input fetched back."""
+        activations and cotangents, and (offload) the layer's per-layer input fetched back with
+        the next one's prefetched."""
         s, L, B = self.g.dtype_bytes, self.L, self.B
         whole = B * L * (3 * g.q_width * s + 2 * g.kv_own * s + 2 * g.kv_width * (4 + s)
                          + g.heads * 4) + self.hidden_bytes
         tile = self.coef.activation * B * self.tile * (g.act_elems + g.bwd_elems) * s
         pli = B * L * self.g.per_layer_width // max(1, self.g.num_layers) * s
-        return float(whole + tile + (pli if self.offload else 0))
+        return float(whole + tile + (2 * pli if self.offload else 0))
 
     def _attention(self, g: LayerGeom) -> tuple[float, float]:
         """(kept until the layer's backward, transient during it) for one layer, in bytes."""
@@ -456,11 +462,12 @@ class CostModel:
 
     def embed_bytes(self) -> float:
         """Prologue transient: the per-layer inputs are built through ~3 full-size temporaries
-        (tiled: tile by tile, then split per layer, one layer's slice at a time if offloaded)."""
+        (tiled: tile by tile, then split per layer, up to MAX_PENDING slices waiting for their
+        copy to the host if offloaded)."""
         pli = self.per_layer_input_bytes()
         if self.tile:
-            return pli + (pli / max(1, self.g.num_layers) if self.offload else 0.0) \
-                + self.hidden_bytes
+            waiting = MAX_PENDING * pli / max(1, self.g.num_layers) if self.offload else 0.0
+            return pli + waiting + self.hidden_bytes
         return 3.0 * pli
 
     def host_bytes(self, n_segments: int) -> float:

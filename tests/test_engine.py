@@ -232,6 +232,36 @@ def test_offload_host_bytes_and_needs_tile():
         value_and_grad(model, batch, lengths, 4, offload=True)
 
 
+def test_host_store_round_trips_bounded_and_counted(monkeypatch):
+    """Parked arrays come back bit-exact (bfloat16 too), prefetched or not, as often as asked;
+    at most MAX_PENDING copies out are in flight; host bytes rise and fall."""
+    from segback.engine import offload
+
+    seen = []
+    real = offload._to_host
+
+    def watched(x):
+        seen.append(len(store._pending))
+        return real(x)
+
+    monkeypatch.setattr(offload, "_to_host", watched)
+    store = offload.HostStore(True)
+    xs = [mx.random.normal((2, 33, 5)).astype(dt) for dt in (mx.bfloat16, mx.float32)] * 3
+    handles = [store.put(x) for x in xs]
+    assert max(seen) <= offload.MAX_PENDING
+    assert store.host_bytes == store.peak_host_bytes == sum(x.nbytes for x in xs)
+    store.prefetch(handles[1])
+    for x, h in zip(xs, handles):
+        for _ in range(2):
+            y = store.get(h)
+            assert y.dtype == x.dtype and mx.array_equal(y, x)
+    for h in handles:
+        store.drop(h)
+    assert store.host_bytes == 0
+    on_device = offload.HostStore(False)
+    assert on_device.get(on_device.put(xs[0])) is xs[0]
+
+
 def test_tiled_compiled_traces_are_replayed_and_leave_real_parameters():
     """Compiled tile functions: a second step replays the traces and gives the same result;
     the model holds real arrays afterwards (an optimizer can read them); no compile = same."""

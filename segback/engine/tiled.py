@@ -14,20 +14,19 @@ Alive at once: the layer's Q, K, V, dO and their gradients, [L, heads x head_dim
 tile's activations; never an [L, MLP width] array.
 
 Boundaries (the hidden state entering each segment) and per-layer inputs can live in host memory
-(`offload=True`): they are copied out once in the forward and back once in the backward.
+(`offload=True`, `segback.engine.offload`): copied out once in the forward and back in the
+backward, on a worker thread while the device computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_unflatten
 
 from segback.engine.attention import (
@@ -69,37 +68,6 @@ def tiles(length: int, tile: int) -> list[tuple[int, int]]:
     if tile < 1:
         raise ValueError(f"tile must be >= 1 token, not {tile}")
     return [(t0, min(t0 + tile, length)) for t0 in range(0, length, tile)]
-
-
-@dataclass
-class HostStore:
-    """Arrays parked in host memory (offload) or kept on the device; counts host bytes."""
-
-    offload: bool
-    host_bytes: int = 0
-    peak_host_bytes: int = 0
-    _sizes: dict[int, int] = field(default_factory=dict)
-
-    def put(self, x: mx.array) -> Any:
-        if not self.offload:
-            return x
-        mx.eval(x)
-        dtype = x.dtype
-        raw = np.array(x.view(mx.uint16) if dtype == mx.bfloat16 else x)
-        self.host_bytes += raw.nbytes
-        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
-        return raw, dtype
-
-    def get(self, handle: Any) -> mx.array:
-        if not self.offload:
-            return handle
-        raw, dtype = handle
-        x = mx.array(raw)
-        return x.view(mx.bfloat16) if dtype == mx.bfloat16 else x
-
-    def drop(self, handle: Any) -> None:
-        if self.offload and handle is not None:
-            self.host_bytes -= handle[0].nbytes
 
 
 class TileFns:

@@ -1,0 +1,90 @@
+"""Host-memory parking for the tiled engine's boundaries and per-layer inputs, copied off the
+critical path.
+
+Measured on the H200 (bench/tiled_profile.py --step, e4b at 8K): copying the 42 boundaries out
+and back in the calling thread cost 1.5 s of a 6.3 s step, the GPU idle meanwhile (MLX-CUDA
+memory is managed memory; a host copy runs at ~2.5 GB/s). Here each copy runs on one worker
+thread while the GPU computes: `put` hands an evaluated array to the worker (numpy's copy
+releases the GIL), `prefetch` starts the copy back before the engine asks for it.
+
+At most `MAX_PENDING` arrays wait for their copy out, each alive on the device until copied:
+without that bound, parking many arrays in a row (the per-layer inputs) would keep them all.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+MAX_PENDING = 2
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segback-offload")
+    return _POOL
+
+
+def _to_host(x: mx.array) -> np.ndarray:
+    return np.array(memoryview(x))  # one copy, GIL released; x stays referenced until done
+
+
+@dataclass
+class Parked:
+    """An array in host memory: the copy out (a future) and, once prefetched, the copy back."""
+
+    host: Future
+    dtype: mx.Dtype
+    nbytes: int
+    back: Future | None = None
+
+
+def _to_device(p: Parked) -> mx.array:
+    return mx.array(p.host.result())
+
+
+@dataclass
+class HostStore:
+    """Arrays parked in host memory (offload) or kept on the device; counts host bytes."""
+
+    offload: bool
+    host_bytes: int = 0
+    peak_host_bytes: int = 0
+    _pending: deque = field(default_factory=deque)
+
+    def put(self, x: mx.array) -> Any:
+        if not self.offload:
+            return x
+        raw = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x  # numpy has no bfloat16
+        mx.eval(raw)
+        while len(self._pending) >= MAX_PENDING:
+            self._pending.popleft().result()
+        parked = Parked(_pool().submit(_to_host, raw), x.dtype, raw.nbytes)
+        self._pending.append(parked.host)
+        self.host_bytes += parked.nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        return parked
+
+    def prefetch(self, handle: Any) -> None:
+        """Start copying a parked array back to the device (no-op on device or None)."""
+        if self.offload and handle is not None and handle.back is None:
+            handle.back = _pool().submit(_to_device, handle)
+
+    def get(self, handle: Any) -> mx.array:
+        """The array on the device; a parked one stays parked (its device copy is not kept)."""
+        if not self.offload:
+            return handle
+        self.prefetch(handle)
+        x, handle.back = handle.back.result(), None
+        return x.view(mx.bfloat16) if handle.dtype == mx.bfloat16 else x
+
+    def drop(self, handle: Any) -> None:
+        if self.offload and handle is not None:
+            self.host_bytes -= handle.nbytes
