@@ -380,23 +380,19 @@ class CostModel:
         # A stored segment boundary on the device, and what a segment's backward always holds
         # besides its transient: its own input boundary and dh (untiled), or only dh (tiled:
         # the segment's inputs are part of its transient).
-        # Offloaded, the previous segment's boundary is prefetched during this one's backward.
         self.boundary_bytes = 0.0 if self.offload else float(self.hidden_bytes)
         self.fixed_bytes = float(self.hidden_bytes if self.tile else 2 * self.hidden_bytes)
-        if self.offload:
-            self.fixed_bytes += self.hidden_bytes
 
     def _tiled_layer(self, g: LayerGeom) -> float:
         """One tiled layer's backward, bytes: Q, dO, dQ and the own K, V over the whole sequence,
         float32 dK/dV accumulators and their casts, rowsum(dO * O), dh_in, one tile's
-        activations and cotangents, and (offload) the layer's per-layer input fetched back with
-        the next one's prefetched."""
+        activations and cotangents, and (offload) the layer's per-layer input fetched back."""
         s, L, B = self.g.dtype_bytes, self.L, self.B
         whole = B * L * (3 * g.q_width * s + 2 * g.kv_own * s + 2 * g.kv_width * (4 + s)
                          + g.heads * 4) + self.hidden_bytes
         tile = self.coef.activation * B * self.tile * (g.act_elems + g.bwd_elems) * s
         pli = B * L * self.g.per_layer_width // max(1, self.g.num_layers) * s
-        return float(whole + tile + (2 * pli if self.offload else 0))
+        return float(whole + tile + (pli if self.offload else 0))
 
     def _attention(self, g: LayerGeom) -> tuple[float, float]:
         """(kept until the layer's backward, transient during it) for one layer, in bytes."""

@@ -1,12 +1,13 @@
-"""Host-memory parking for the tiled engine's boundaries and per-layer inputs, copied off the
-critical path.
+"""Host-memory parking for the tiled engine's boundaries and per-layer inputs.
 
-Measured on the H200 (bench/tiled_profile.py --step, e4b at 8K): copying the 42 boundaries out
-and back in the calling thread cost 1.5 s of a 6.3 s step, the GPU idle meanwhile (MLX-CUDA
-memory is managed memory; a host copy runs at ~2.5 GB/s). Here each copy runs on one worker
-thread while the GPU computes: `put` hands an evaluated array to the worker (numpy's copy
-releases the GIL), `prefetch` starts the copy back before the engine asks for it.
+Measured on the H200 (bench/tiled_profile.py --step, e4b at 8K, 42 boundaries and 42 per-layer
+inputs): copying out and back in the calling thread cost 0.7 s + 0.85 s of a 6.3 s step, the
+GPU idle meanwhile (MLX-CUDA memory is managed memory; a host copy runs at ~2.5 GB/s).
 
+The copy out runs on a worker thread while the GPU computes (numpy's copy releases the GIL),
+from a device copy of its own, so the CPU's reads do not pull away pages the next layer reads.
+The copy back stays in the calling thread: `mx.array(numpy)` holds the GIL, and on a worker it
+stalled the thread that feeds the GPU (measured: the step got no faster).
 At most `MAX_PENDING` arrays wait for their copy out, each alive on the device until copied:
 without that bound, parking many arrays in a row (the per-layer inputs) would keep them all.
 """
@@ -38,16 +39,11 @@ def _to_host(x: mx.array) -> np.ndarray:
 
 @dataclass
 class Parked:
-    """An array in host memory: the copy out (a future) and, once prefetched, the copy back."""
+    """An array in host memory, once its copy out (a future) is done."""
 
     host: Future
     dtype: mx.Dtype
     nbytes: int
-    back: Future | None = None
-
-
-def _to_device(p: Parked) -> mx.array:
-    return mx.array(p.host.result())
 
 
 @dataclass
@@ -62,7 +58,7 @@ class HostStore:
     def put(self, x: mx.array) -> Any:
         if not self.offload:
             return x
-        raw = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x  # numpy has no bfloat16
+        raw = (x.view(mx.uint16) if x.dtype == mx.bfloat16 else x) + 0  # numpy: no bfloat16
         mx.eval(raw)
         while len(self._pending) >= MAX_PENDING:
             self._pending.popleft().result()
@@ -72,17 +68,11 @@ class HostStore:
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         return parked
 
-    def prefetch(self, handle: Any) -> None:
-        """Start copying a parked array back to the device (no-op on device or None)."""
-        if self.offload and handle is not None and handle.back is None:
-            handle.back = _pool().submit(_to_device, handle)
-
     def get(self, handle: Any) -> mx.array:
-        """The array on the device; a parked one stays parked (its device copy is not kept)."""
+        """The array on the device (a parked one stays parked: its device copy is not kept)."""
         if not self.offload:
             return handle
-        self.prefetch(handle)
-        x, handle.back = handle.back.result(), None
+        x = mx.array(handle.host.result())
         return x.view(mx.bfloat16) if handle.dtype == mx.bfloat16 else x
 
     def drop(self, handle: Any) -> None:

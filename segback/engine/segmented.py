@@ -322,19 +322,9 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     sources = stack.kv_source
     donors = {src for i, src in enumerate(sources) if src != i}
 
-    # The order in which layers are called (forward, then per segment its recompute and its
-    # VJPs): each call prefetches the next one's parked per-layer input.
-    order = list(range(stack.num_layers)) + [
-        i for a, b in reversed(segs) for i in [*range(a, b - 1), *reversed(range(a, b))]
-    ]
-    upcoming = iter(order[1:] + [None])
-
     def call(i: int, kv: dict) -> LayerCall:
         src = sources[i]
         pli = store.get(pli_store[i]) if pli_store[i] is not None else None
-        nxt = next(upcoming, None)
-        if nxt is not None:
-            store.prefetch(pli_store[nxt])
         return LayerCall(stack, i, masks[stack.layer_types[i]], tile, list(per_layer[i]), pli,
                          kv[src] if src != i else None, need_input_grad, compile,
                          seed=seed + 100_003 * i)
@@ -345,7 +335,6 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     # 1. Forward.
     kv_saved: dict[int, tuple[mx.array, mx.array]] = {}
     boundaries = []
-    store.prefetch(pli_store[0])
     for a, b in segs:
         boundaries.append(store.put(h))
         for i in range(a, b):
@@ -353,8 +342,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
             if i in donors:
                 kv_saved[i] = kv
 
-    # 2. Loss head (the last boundary comes back meanwhile).
-    store.prefetch(boundaries[-1])
+    # 2. Loss head.
     loss, ntoks, dh, d_outer = head_vjp(
         stack.head, h, batch, lengths_np, getattr(model.args, "vocab_size", 1 << 15),
         outer_vals, bind_outer, head_max_elements,
@@ -372,8 +360,6 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
         x = store.get(boundaries[k])
         store.drop(boundaries[k])
         boundaries[k] = None
-        if k:
-            store.prefetch(boundaries[k - 1])
         inner = [x]
         for i in range(a, b - 1):  # recompute the boundaries inside the segment
             inner.append(layer_forward(call(i, kv_saved), inner[-1], leaves(i))[0])
