@@ -231,7 +231,8 @@ class InFlight:
     """At most `IN_FLIGHT` tiles in flight.
 
     A blocking eval per tile leaves the GPU idle while the host builds the next tile's graph;
-    two in flight can hide that, for one more tile of transients.
+    two in flight hide that, for one more tile of transients (H200, e4b at 8K, tile 2048: 6.46 s
+    a step against 7.16 s, peak 7.58 GB against 7.53 GB).
     """
 
     def __init__(self):
