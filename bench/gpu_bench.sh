@@ -44,8 +44,8 @@ elif [ "$part" = tiled3 ]; then
   $B --seq 32768 --steps 1 $T --tile 1024 --timeout 110
   $B --seq 8192 --steps 2 $T --tile 4096 --timeout 75
 elif [ "$part" = tiled4 ]; then
-  # After the offload copies moved to a worker thread (bench/tiled_profile.py --step found them
-  # at 1.5 s of a 6.3 s step): step split, then the table at tile 2048, two tiles in flight.
+  # After the offload copies out moved to a worker thread (bench/tiled_profile.py --step found
+  # the copies at 1.5 s of a 6.3 s step): step split, then the table at tile 2048, two in flight.
   timeout 150 python3 bench/tiled_profile.py --model e4b --quant-bits 4 --seq 8192 --step \
     --tiles 2048 > $out/step_parts.jsonl
   T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2"

@@ -112,7 +112,8 @@ def main() -> None:
                               "forward_ms": round(1e3 * fwd, 2), "vjp_ms": round(1e3 * vjp, 2),
                               "layer_ms": round(1e3 * (fwd + vjp), 2)}), flush=True)
         with use_chunked_attention([stack.module]):
-            saved = (tiled._pre, tiled.attention_forward, tiled.attention_backward)
+            saved = (tiled._pre, tiled.attention_forward, tiled.attention_backward,
+                     tiled.IN_FLIGHT)
             tiled._pre = timed("pre", tiled._pre)
             tiled.attention_forward = timed("attn_fwd", tiled.attention_forward)
             tiled.attention_backward = timed("attn_bwd", tiled.attention_backward)
@@ -137,8 +138,8 @@ def main() -> None:
                                           "layer_ms": round(1e3 * (fwd + vjp), 2),
                                           **split}), flush=True)
             finally:
-                tiled._pre, tiled.attention_forward, tiled.attention_backward = saved
-                tiled.IN_FLIGHT = 2
+                (tiled._pre, tiled.attention_forward, tiled.attention_backward,
+                 tiled.IN_FLIGHT) = saved
 
 
 def step_parts(model, args, meta) -> None:

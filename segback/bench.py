@@ -89,6 +89,7 @@ def run_worker(args) -> dict:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from segback.engine import memory_stats, reset_peak, value_and_grad
+    from segback.engine.segmented import compile_by_default
 
     mode = args.worker
     model, _ = _load(args)
@@ -118,7 +119,7 @@ def run_worker(args) -> dict:
         else:
             row["segments"] = plan
         row["attention"] = "chunked" if args.tile else args.attention
-        compile_tiles = {"on": True, "off": False}.get(args.compile, mx.default_device() == mx.cpu)
+        compile_tiles = {"on": True, "off": False}.get(args.compile, compile_by_default())
         from segback.engine import tiled
 
         if args.in_flight:

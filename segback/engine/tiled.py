@@ -14,8 +14,8 @@ Alive at once: the layer's Q, K, V, dO and their gradients, [L, heads x head_dim
 tile's activations; never an [L, MLP width] array.
 
 Boundaries (the hidden state entering each segment) and per-layer inputs can live in host memory
-(`offload=True`, `segback.engine.offload`): copied out once in the forward and back in the
-backward, on a worker thread while the device computes.
+(`offload=True`, `segback.engine.offload`): copied out once in the forward (on a worker
+thread, while the device computes) and back once in the backward.
 """
 
 from __future__ import annotations
