@@ -2,7 +2,7 @@
 # The H200 table of bench/RESULTS.md: e4b geometry (random weights, 4-bit, LoRA rank 8 on every
 # linear of all 42 layers), mlx-lm full / per-layer checkpoint vs segback segmented.
 # Usage on the GPU machine (after step 1 of ../shared/device/README.md):
-#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2|tiled3|tiled4|tiled5} OUT_DIR
+#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2..tiled8} OUT_DIR
 set -u
 part=$1; out=$2
 B="python3 -m segback.cli bench --model e4b --quant-bits 4 --out $out/bench.jsonl"
@@ -57,6 +57,27 @@ elif [ "$part" = tiled5 ]; then
   T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2 --tile 1024"
   $B --seq 65536 --steps 0 $T --timeout 150
   $B --seq 131072 --steps 0 $T --timeout 330
+elif [ "$part" = tiled6 ]; then
+  # Light tiles (pre pass, its VJP and the forward post pass on 8192-token tiles), boundaries
+  # fetched back one layer early on a side stream; heavy tile 2048 / 4096, one or two in flight.
+  T="--modes segmented --max-ops-per-buffer 4 --offload"
+  $B --seq 8192 --steps 2 $T --tile 2048 --light-tile 8192 --in-flight 2 --timeout 150
+  $B --seq 8192 --steps 2 $T --tile 4096 --light-tile 8192 --in-flight 1 --timeout 75
+  $B --seq 8192 --steps 2 $T --tile 2048 --in-flight 2 --timeout 75
+  $B --seq 8192 --steps 2 $T --tile 4096 --light-tile 8192 --in-flight 2 --timeout 75
+  $B --seq 8191 --steps 2 --modes ckpt --timeout 75
+elif [ "$part" = tiled7 ]; then
+  # The 8K configuration $BEST (from tiled6) with the last N boundaries kept on the device, then
+  # 32K and 64K with light tiles.
+  T="--modes segmented --max-ops-per-buffer 4 --offload"
+  for N in ${KEEP:-8 12}; do
+    $B --seq 8192 --steps 2 $T $BEST --offload-keep $N --timeout 75
+  done
+  $B --seq 32768 --steps 1 $T --tile 2048 --light-tile 8192 --in-flight 2 --timeout 110
+  $B --seq 65536 --steps 0 $T --tile 1024 --light-tile 4096 --in-flight 2 --timeout 150
+elif [ "$part" = tiled8 ]; then
+  T="--modes segmented --max-ops-per-buffer 4 --offload"
+  $B --seq 131072 --steps 0 $T --tile 1024 --light-tile 4096 --in-flight 2 --timeout 400
 else
   for L in 8192 16384 32768 65536 131072; do
     $B --seq $L --steps 1 --modes segmented --attention chunked --max-ops-per-buffer 4 --timeout 240

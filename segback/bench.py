@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per tile for the layers' token-wise parts (segmented only)")
     p.add_argument("--offload", action="store_true",
                    help="park boundaries and per-layer inputs in host memory (with --tile)")
+    p.add_argument("--light-tile", type=int, default=None,
+                   help="tokens per tile of the light passes (with --tile; default: --tile)")
+    p.add_argument("--offload-keep", default=None, type=lambda v: v if v == "auto" else int(v),
+                   help="with --offload: the last N segments keep their boundary on the device; "
+                   "auto: as many as --target-gb allows (planner)")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="mx.compile the tile functions (with --tile); auto: on the CPU only")
     p.add_argument("--in-flight", type=int, default=None, choices=[1, 2],
@@ -77,7 +82,8 @@ def _segments(args, model):
 
     return plan_segments(model, args.seq, args.batch, target_gb=args.target_gb,
                          attention=args.attention, lora_rank=args.lora_rank, tile=args.tile,
-                         offload=args.offload)
+                         offload=args.offload, light_tile=args.light_tile,
+                         offload_keep=args.offload_keep or 0)
 
 
 def run_worker(args) -> dict:
@@ -113,9 +119,11 @@ def run_worker(args) -> dict:
 
     if mode == "segmented":
         plan = _segments(args, model)
+        keep = args.offload_keep if isinstance(args.offload_keep, int) else 0
         if isinstance(plan, dict):
             row["predicted_peak_gb"] = plan.get("predicted_peak_gb")
             row["segments"] = plan["segments"]
+            keep = plan.get("offload_keep", keep)
         else:
             row["segments"] = plan
         row["attention"] = "chunked" if args.tile else args.attention
@@ -124,14 +132,15 @@ def run_worker(args) -> dict:
 
         if args.in_flight:
             tiled.IN_FLIGHT = args.in_flight
-        row.update(tile=args.tile, offload=args.offload, compile=compile_tiles,
-                   in_flight=tiled.IN_FLIGHT)
+        row.update(tile=args.tile, light_tile=args.light_tile, offload=args.offload,
+                   offload_keep=keep, compile=compile_tiles, in_flight=tiled.IN_FLIGHT)
         stats: dict = {}
 
         def vg(m, b, lens):
             return value_and_grad(m, b, lens, row["segments"], attention=args.attention,
                                   tile=args.tile, offload=args.offload, stats=stats,
-                                  compile=compile_tiles)
+                                  compile=compile_tiles, light_tile=args.light_tile,
+                                  offload_keep=keep)
     else:
         if mode == "ckpt":
             grad_checkpoint(model.layers[0])

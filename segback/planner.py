@@ -353,17 +353,22 @@ class CostModel:
 
     def __init__(self, geom: Geometry, seq_len: int, batch_size: int = 1,
                  attention: str = "fused", coef: Coefficients | None = None,
-                 tile: int | None = None, offload: bool = False):
+                 tile: int | None = None, offload: bool = False,
+                 light_tile: int | None = None, offload_keep: int = 0):
         if attention not in ("fused", "chunked"):
             raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
         if tile is not None and tile < 1:
             raise ValueError(f"tile must be a positive number of tokens, not {tile}")
         if offload and not tile:
             raise ValueError("offload needs a tile size: it is part of the tiled engine")
+        if (light_tile and not tile) or (offload_keep and not offload):
+            raise ValueError("light_tile needs a tile size and offload_keep needs offload")
         if tile:
             attention = "chunked"  # the tiled engine always runs chunked attention
         self.g, self.L, self.B, self.attention = geom, seq_len, batch_size, attention
         self.tile, self.offload = (min(int(tile), seq_len) if tile else None), bool(offload)
+        self.light = min(int(light_tile or tile), seq_len) if tile else None
+        self.offload_keep = int(offload_keep)
         self.coef = coef or Coefficients()
         s, L, B = geom.dtype_bytes, seq_len, batch_size
         self.hidden_bytes = B * L * geom.hidden * s  # one [B, L, hidden] boundary
@@ -382,17 +387,39 @@ class CostModel:
         # the segment's inputs are part of its transient).
         self.boundary_bytes = 0.0 if self.offload else float(self.hidden_bytes)
         self.fixed_bytes = float(self.hidden_bytes if self.tile else 2 * self.hidden_bytes)
+        if self.offload:  # the next segment's boundary, fetched back while this one runs
+            self.fixed_bytes += self.hidden_bytes
+
+    def _pre_elems(self, g: LayerGeom) -> int:
+        """Elements per token of the pre pass's VJP on one light tile: its input, norm and
+        projections (Q, own K/V, before and after norms and RoPE) and their cotangents."""
+        return 2 * (3 * self.g.hidden + 3 * (g.q_width + 2 * g.kv_own))
 
     def _tiled_layer(self, g: LayerGeom) -> float:
         """One tiled layer's backward, bytes: Q, dO, dQ and the own K, V over the whole sequence,
         float32 dK/dV accumulators and their casts, rowsum(dO * O), dh_in, one tile's
-        activations and cotangents, and (offload) the layer's per-layer input fetched back."""
+        activations and cotangents (the post pass's on a tile, or the pre pass's on a light
+        tile), and (offload) the layer's per-layer input fetched back."""
         s, L, B = self.g.dtype_bytes, self.L, self.B
         whole = B * L * (3 * g.q_width * s + 2 * g.kv_own * s + 2 * g.kv_width * (4 + s)
                          + g.heads * 4) + self.hidden_bytes
         tile = self.coef.activation * B * self.tile * (g.act_elems + g.bwd_elems) * s
+        light = self.coef.activation * B * self.light * self._pre_elems(g) * s
         pli = B * L * self.g.per_layer_width // max(1, self.g.num_layers) * s
-        return float(whole + tile + (pli if self.offload else 0))
+        # offload: this layer's per-layer input and the next one's, fetched back early
+        return float(whole + max(tile, light) + (2 * pli if self.offload else 0))
+
+    def forward_bytes(self) -> float:
+        """The tiled forward's worst layer, bytes: Q, K, V, O over the whole sequence and its
+        output, one light tile of the post pass (at most its kept activations: nothing is
+        kept, so this bounds what is alive) or the attention forward's scores."""
+        s, L, B = self.g.dtype_bytes, self.L, self.B
+        worst = 0.0
+        for g, attn in zip(self.g.layers, self.attn_transient):
+            whole = B * L * (2 * g.q_width + 2 * g.kv_own) * s + self.hidden_bytes
+            light = self.coef.activation * B * self.light * g.act_elems * s
+            worst = max(worst, whole + max(light, attn / 2))
+        return float(worst)
 
     def _attention(self, g: LayerGeom) -> tuple[float, float]:
         """(kept until the layer's backward, transient during it) for one layer, in bytes."""
@@ -466,11 +493,17 @@ class CostModel:
             return pli + waiting + self.hidden_bytes
         return 3.0 * pli
 
+    def kept(self, n_segments: int) -> int:
+        """Boundaries on the device: all without offload, else the last `offload_keep`."""
+        return n_segments if not self.offload else min(self.offload_keep, n_segments)
+
     def host_bytes(self, n_segments: int) -> float:
-        """Host memory of an offloaded step: one boundary per segment and the per-layer inputs."""
+        """Host memory of an offloaded step: one boundary per parked segment and the per-layer
+        inputs."""
         if not self.offload:
             return 0.0
-        return float(n_segments * self.hidden_bytes + self.per_layer_input_bytes())
+        parked = n_segments - self.kept(n_segments)
+        return float(parked * self.hidden_bytes + self.per_layer_input_bytes())
 
     def resting(self) -> tuple[float, float]:
         """(weights incl. LoRA factors, LoRA grads + AdamW's two float32 moments)."""
@@ -494,14 +527,22 @@ class CostModel:
         saved = self.saved_donors(segments)
         kv_saved = 0.0 if self.tile else sum(self.kv_bytes[d] for d in saved)  # tiled: constant
         const = self.constants() + kv_saved
-        hb, bb = self.hidden_bytes, self.boundary_bytes
+        hb = self.hidden_bytes
+        first_kept = n_seg - self.kept(n_seg)  # boundaries k >= this one live on the device
+
+        def on_device(k: int) -> float:  # bytes of the boundaries of segments 0..k-1
+            return max(0, k - first_kept) * hb
+
         S = self.segment_matrix()
         seg_t = [float(S[a, b]) for a, b in segments]
         events = [("embedding", float(hb), self.embed_bytes() + (0.0 if self.tile else hb)),
-                  ("loss head", n_seg * bb + hb, self.head_bytes())]
+                  ("loss head", on_device(n_seg) + hb, self.head_bytes())]
+        if self.tile:  # offload: up to MAX_PENDING boundaries' device copies await the host
+            waiting = MAX_PENDING * hb if self.offload else 0.0
+            events.append(("layer forward", on_device(n_seg) + waiting, self.forward_bytes()))
         for k, (_, b) in enumerate(segments):
             pending = sum(self.kv_bytes[d] for d in saved if d < b)  # dK/dV not yet consumed
-            events.append((f"segment {k} backward", k * bb + self.fixed_bytes + pending,
+            events.append((f"segment {k} backward", on_device(k) + self.fixed_bytes + pending,
                            seg_t[k]))
         name, alive, transient = max(events, key=lambda e: e[1] + e[2])
         peak = weights + lora_opt + const + alive + transient
@@ -815,6 +856,8 @@ def plan_segments(
     segments: Any = None,
     tile: int | str | None = None,
     offload: bool | str = False,
+    light_tile: int | None = None,
+    offload_keep: int | str = 0,
 ) -> dict[str, Any]:
     """Plan the segments of a segmented backward; returns the plan dict of plan.schema.json.
 
@@ -827,13 +870,24 @@ def plan_segments(
     `tile` (tokens) plans the sequence-tiled engine, `offload` with host-parked boundaries;
     `tile="auto"` (and `offload="auto"`) also weigh untiled and every tile size of TILE_SIZES
     (with and without offload): with a target, the fastest that meets it, else the smallest
-    peak. The chosen `attention`, `tile` and `offload` are top-level keys the engine reads.
+    peak. `light_tile` plans the tiled engine's light passes on their own tile (default: the
+    tile); `offload_keep` keeps the last N segments' boundaries on the device, "auto" as many as
+    the target leaves room for (fewer host copies). The chosen `attention`, `tile`, `offload`,
+    `light_tile` and `offload_keep` are top-level keys the engine reads.
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
     from segback.engine.segmented import tiling_options
 
     tile, offload = tiling_options(tile, offload)
+    if light_tile is not None and (type(light_tile) is not int or light_tile < 1 or not tile):
+        raise ValueError(f"light_tile must be a positive number of tokens with a tile, "
+                         f"not {light_tile!r}")
+    if offload_keep != "auto" and (type(offload_keep) is not int or offload_keep < 0):
+        raise ValueError(f"offload_keep must be a number of segments >= 0 or 'auto', "
+                         f"not {offload_keep!r}")
+    if offload_keep and not offload:
+        raise ValueError("offload_keep needs offload (boundaries kept out of the host)")
     configs = tile_configs(seq_len, attention, tile, offload)
     if calibrate and _is_lazy_random(model_or_config):  # measuring needs real weights
         from segback.models.geometry import build_model, geometry_config
@@ -861,7 +915,9 @@ def plan_segments(
     given = segments
     options = []  # (cost, segments, meets_target, meets_time, message) per configuration
     for att, t, off in configs:
-        cost = CostModel(geom, seq_len, batch_size, att, coef, t, off)
+        keep = offload_keep if off and offload_keep != "auto" else 0
+        cost = CostModel(geom, seq_len, batch_size, att, coef, t, off,
+                         light_tile if t else None, keep)
         if given is None:
             options.append((cost, *choose(cost, target_gb, time_budget)))
             continue
@@ -873,6 +929,10 @@ def plan_segments(
                         time_budget is None or cost.relative_step_time(segs) <= time_budget,
                         f"given plan of {len(segs)} segments: {peak / GB:.2f} GB"))
     cost, segments, meets_target, meets_time, message = _pick(options, target_gb)
+    if offload_keep == "auto" and cost.offload and target_gb is not None and meets_target:
+        cost.offload_keep = _most_kept(cost, segments, target_gb)
+        if cost.offload_keep:
+            message += f"; the last {cost.offload_keep} boundaries stay on the device"
     if len(options) > 1:
         what = f"tile {cost.tile}" + (", offload" if cost.offload else "") if cost.tile \
             else "untiled"
@@ -894,6 +954,8 @@ def plan_segments(
         attention=cost.attention,
         tile=cost.tile,
         offload=cost.offload,
+        light_tile=cost.light if cost.tile and cost.light != cost.tile else None,
+        offload_keep=cost.kept(len(segments)) if cost.offload else 0,
         meets_target=bool(meets_target),
         meets_time_budget=bool(meets_time),
         message=message,
@@ -909,6 +971,8 @@ def plan_segments(
             attention=attention,
             tile=tile,
             offload=offload,
+            light_tile=light_tile,
+            offload_keep=offload_keep,
             lora_rank=lora_rank,
             lora_layers=lora_layers,
             quant_bits=quant_bits if quant_bits is not None else
@@ -916,6 +980,19 @@ def plan_segments(
             calibration=asdict(coef) if coef.calibrated else None,
         ),
     )
+
+
+def _most_kept(cost: CostModel, segments: list[tuple[int, int]], target_gb: float) -> int:
+    """The most boundaries (of the last segments) that can stay on the device within the
+    target: the peak only grows with each one kept."""
+    best = 0
+    for keep in range(1, len(segments) + 1):
+        cost.offload_keep = keep
+        if cost.evaluate(segments)["peak"] > target_gb * GB:
+            break
+        best = keep
+    cost.offload_keep = best
+    return best
 
 
 def tile_configs(seq_len: int, attention: str, tile: int | str | None,
@@ -995,6 +1072,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             v.lower(), v),
                         help="park boundaries and per-layer inputs in host memory (with --tile); "
                         "'--offload auto' weighs both")
+    parser.add_argument("--light-tile", type=int, default=None,
+                        help="tokens per tile of the tiled engine's light passes (the pre pass, "
+                        "its VJP and the forward post pass); default: --tile")
+    parser.add_argument("--offload-keep", default=0,
+                        type=lambda v: v if v == "auto" else int(v),
+                        help="with --offload: the last N segments keep their boundary on the "
+                        "device (fewer host copies); 'auto': as many as --target-gb allows")
     parser.add_argument("--quant-bits", type=int, default=None,
                         help="quantize a geometry's weights to N bits (checkpoints carry theirs)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -1009,7 +1093,8 @@ def main(args: argparse.Namespace) -> int:
         plan = plan_segments(args.model, args.seq, args.batch, args.target_gb, args.time_budget,
                              args.calibrate, args.lora_rank, args.lora_layers, args.dtype,
                              args.attention, args.quant_bits, tile=args.tile,
-                             offload=args.offload)
+                             offload=args.offload, light_tile=args.light_tile,
+                             offload_keep=args.offload_keep)
     except (ValueError, FileNotFoundError) as e:  # user-fixable: no traceback
         print(f"segback plan: error: {e}", file=sys.stderr)
         return 2

@@ -206,6 +206,38 @@ def test_tiled_matches_mlx_lm(name, segments, tile, offload):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-e4b"])
+@pytest.mark.parametrize("tile,light_tile,keep", [
+    (16, 48, 0),   # light passes in 2 tiles (one ragged), the post VJP in 5
+    (32, 8, 2),    # light tiles smaller than the heavy ones; last 2 boundaries on the device
+])
+def test_light_tiles_and_kept_boundaries_match_mlx_lm(name, tile, light_tile, keep):
+    """The pre pass, its VJP and the forward post pass on their own tiles; the last `keep`
+    segments' boundaries stay on the device while the others are parked."""
+    model = lora_model(name)
+    batch, lengths = batch_of(model.args.vocab_size, T=70)
+    (l0, n0), g0 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    stats = {}
+    (l1, n1), g1 = value_and_grad(model, batch, lengths, 1, tile=tile, offload=True,
+                                  light_tile=light_tile, offload_keep=keep, stats=stats)
+    assert int(n1) == int(n0)
+    assert abs(float(l1) - float(l0)) <= TOL * abs(float(l0))
+    assert_as_exact_as_mlx_lm(model, g0, g1, batch, lengths)
+    a = model.args
+    per_layer = getattr(a, "hidden_size_per_layer_input", 0) * a.num_hidden_layers
+    parked = (a.num_hidden_layers - keep) * a.hidden_size + per_layer
+    assert stats["host_gb"] == pytest.approx(2 * 69 * parked * 4 / 1024**3)
+
+
+def test_light_tile_and_keep_need_their_engine():
+    model = lora_model("tiny-llama", num_layers=2)
+    batch, lengths = batch_of(model.args.vocab_size, T=20)
+    with pytest.raises(ValueError, match="light_tile needs a tile"):
+        value_and_grad(model, batch, lengths, 1, light_tile=8)
+    with pytest.raises(ValueError, match="offload_keep"):
+        value_and_grad(model, batch, lengths, 1, tile=8, offload_keep=1)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-e4b"])
 def test_tiled_trainable_embedding_and_quantized(name):
     """Per-layer input and embedding grads thread back through tiles; 4-bit base."""
     model = lora_model(name, quantize_bits=4, num_layers=3)
@@ -276,10 +308,11 @@ def test_tiled_compiled_traces_are_replayed_and_leave_real_parameters():
         assert float(mx.linalg.norm(a - c)) <= 1e-5 * float(mx.linalg.norm(c)), k
 
 
-def test_tiled_with_lora_dropout_runs_uncompiled():
+@pytest.mark.parametrize("light_tile", [None, 24])
+def test_tiled_with_lora_dropout_runs_uncompiled(light_tile):
     """Dropout draws random masks, which a compiled trace would freeze: tiles run eagerly, and
     the backward replays the forward's masks, so the grads are those of the loss it returned
-    (a central difference with the same seed agrees)."""
+    (a central difference with the same seed agrees), light tiles or not."""
     from segback.engine.tiled import _can_compile
 
     model = lora_model("tiny-llama")
@@ -292,7 +325,8 @@ def test_tiled_with_lora_dropout_runs_uncompiled():
     def loss_at(params, seed=11):
         model.update(params)
         mx.random.seed(seed)
-        (loss, _), grads = value_and_grad(model, batch, lengths, 2, tile=8)
+        (loss, _), grads = value_and_grad(model, batch, lengths, 2, tile=8,
+                                          light_tile=light_tile)
         return loss, grads
 
     theta = model.trainable_parameters()

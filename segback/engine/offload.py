@@ -7,7 +7,9 @@ GPU idle meanwhile (MLX-CUDA memory is managed memory; a host copy runs at ~2.5 
 The copy out runs on a worker thread while the GPU computes (numpy's copy releases the GIL),
 from a device copy of its own, so the CPU's reads do not pull away pages the next layer reads.
 The copy back stays in the calling thread: `mx.array(numpy)` holds the GIL, and on a worker it
-stalled the thread that feeds the GPU (measured: the step got no faster).
+stalled the thread that feeds the GPU (measured: the step got no faster). `prefetch` starts it
+one layer early instead: the host copy lands in a fresh array and a copy kernel on a side stream
+pulls it onto the device while the layer before it runs on the main stream.
 At most `MAX_PENDING` arrays wait for their copy out, each alive on the device until copied:
 without that bound, parking many arrays in a row (the per-layer inputs) would keep them all.
 """
@@ -33,6 +35,17 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+_SIDE: dict = {}  # device -> the stream prefetches copy on (one per process: streams live on)
+
+
+def _side_stream() -> mx.Stream:
+    device = mx.default_device()
+    key = str(device)
+    if key not in _SIDE:
+        _SIDE[key] = mx.new_stream(device)
+    return _SIDE[key]
+
+
 def _to_host(x: mx.array) -> np.ndarray:
     return np.array(memoryview(x))  # one copy, GIL released; x stays referenced until done
 
@@ -54,9 +67,11 @@ class HostStore:
     host_bytes: int = 0
     peak_host_bytes: int = 0
     _pending: deque = field(default_factory=deque)
+    _fetched: dict = field(default_factory=dict)  # id(Parked) -> its array, brought back early
 
-    def put(self, x: mx.array) -> Any:
-        if not self.offload:
+    def put(self, x: mx.array, keep: bool = False) -> Any:
+        """A handle for `x`: `x` itself if not offloading or `keep`, else a Parked copy."""
+        if not self.offload or keep:
             return x
         raw = (x.view(mx.uint16) if x.dtype == mx.bfloat16 else x) + 0  # numpy: no bfloat16
         mx.eval(raw)
@@ -69,12 +84,26 @@ class HostStore:
         return parked
 
     def get(self, handle: Any) -> mx.array:
-        """The array on the device (a parked one stays parked: its device copy is not kept)."""
-        if not self.offload:
+        """The array on the device (a parked one stays parked: its device copy is not kept,
+        except one `prefetch` made, which this hands over)."""
+        if not isinstance(handle, Parked):
             return handle
-        x = mx.array(handle.host.result())
+        x = self._fetched.pop(id(handle), None)
+        if x is None:
+            x = mx.array(handle.host.result())
         return x.view(mx.bfloat16) if handle.dtype == mx.bfloat16 else x
 
+    def prefetch(self, handle: Any) -> None:
+        """Start bringing a parked array back, so that its `get` finds it on the device."""
+        if not isinstance(handle, Parked) or id(handle) in self._fetched:
+            return
+        x = mx.array(handle.host.result())
+        with mx.stream(_side_stream()):
+            x = x + 0  # a device copy: pages move while the main stream computes
+        mx.async_eval(x)
+        self._fetched[id(handle)] = x
+
     def drop(self, handle: Any) -> None:
-        if self.offload and handle is not None:
+        if isinstance(handle, Parked):
             self.host_bytes -= handle.nbytes
+            self._fetched.pop(id(handle), None)

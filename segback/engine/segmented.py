@@ -73,12 +73,16 @@ def tiling_options(tile: Any, offload: Any) -> tuple[int | str | None, bool | st
 
 
 def engine_options(plan: Any, attention: str = "fused", tile: int | None = None,
-                   offload: bool = False) -> dict[str, Any]:
-    """The engine settings (attention, tile, offload) a plan was made for; the arguments are the
-    defaults for what the plan does not say (a list of ranges or a count says nothing)."""
+                   offload: bool = False, light_tile: int | None = None,
+                   offload_keep: int = 0) -> dict[str, Any]:
+    """The engine settings (attention, tile, offload, light_tile, offload_keep) a plan was made
+    for; the arguments are the defaults for what the plan does not say (a list of ranges or a
+    count says nothing)."""
     tile = plan_option(plan, "tile", tile)
     return dict(attention="chunked" if tile else plan_attention(plan, attention), tile=tile,
-                offload=bool(plan_option(plan, "offload", offload)))
+                offload=bool(plan_option(plan, "offload", offload)),
+                light_tile=plan_option(plan, "light_tile", light_tile),
+                offload_keep=int(plan_option(plan, "offload_keep", offload_keep)))
 
 
 def _split_trainable(model: nn.Module, stack: Stack):
@@ -132,6 +136,8 @@ def value_and_grad(
     offload: bool = False,
     stats: dict | None = None,
     compile: bool | None = None,
+    light_tile: int | None = None,
+    offload_keep: int = 0,
 ) -> tuple[tuple[mx.array, mx.array], dict]:
     """Drop-in for `nn.value_and_grad(model, default_loss)(model, batch, lengths)`.
 
@@ -139,20 +145,31 @@ def value_and_grad(
     `attention="chunked"` runs mlx-lm's layers with `chunked_sdpa` (O(L) attention backward,
     masks as descriptors); "fused" keeps mx.fast's kernel. `tile` (tokens) runs each layer's
     token-wise parts a tile at a time, forward and backward (implies chunked attention);
-    `offload` parks boundaries and per-layer inputs in host memory (with `tile`). A plan's own
-    "attention", "tile" and "offload" win. `stats`, if given, receives "host_gb". `compile`
+    `offload` parks boundaries and per-layer inputs in host memory (with `tile`), except the
+    boundaries of the last `offload_keep` segments, which stay on the device (they are the first
+    the backward needs: no copy either way). `light_tile` (default `tile`) is the tile of the
+    passes that hold no MLP cotangents (segback.engine.tiled). A plan's own "attention", "tile",
+    "offload", "light_tile" and "offload_keep" win. `stats`, if given, receives "host_gb". `compile`
     traces each tiled layer's tile functions once (`mx.compile`; skipped with LoRA dropout);
     None compiles on the CPU only: on CUDA the first compiled step JIT-builds every trace's
     kernels (measured on the H200, e4b at 8K: over 150 s, against 32 s eager).
     """
     if compile is None:
         compile = compile_by_default()
-    opts = engine_options(segments, attention, tile, offload)
+    opts = engine_options(segments, attention, tile, offload, light_tile, offload_keep)
     attention, tile, offload = opts["attention"], opts["tile"], opts["offload"]
+    light_tile, offload_keep = opts["light_tile"], opts["offload_keep"]
     if attention not in ("fused", "chunked"):
         raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
     if offload and not tile:
         raise ValueError("offload needs a tile size (tile=...): it is part of the tiled engine")
+    if light_tile is not None and not tile:
+        raise ValueError("light_tile needs a tile size (tile=...): it is part of the tiled engine")
+    if light_tile is not None and not (type(light_tile) is int and light_tile >= 1):
+        raise ValueError(f"light_tile must be a positive number of tokens, not {light_tile!r}")
+    if offload_keep < 0 or (offload_keep and not offload):
+        raise ValueError(f"offload_keep={offload_keep}: the number of last segments whose "
+                         "boundaries stay on the device needs offload=True and must be >= 0")
     stack = get_stack(model)
     if attention == "chunked" or tile:
         from segback.engine.attention import use_chunked_attention
@@ -161,7 +178,7 @@ def value_and_grad(
             if tile:
                 return _value_and_grad_tiled(model, stack, batch, lengths, segments,
                                              head_max_elements, int(tile), offload, stats,
-                                             compile)
+                                             compile, light_tile, offload_keep)
             return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements,
                                    chunked=True)
     return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements)
@@ -286,7 +303,7 @@ def _value_and_grad(model, stack, batch, lengths, segments, head_max_elements, c
 
 
 def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_elements, tile,
-                          offload, stats, compile):
+                          offload, stats, compile, light_tile=None, offload_keep=0):
     """The segmented backward with sequence-tiled layers (see `segback.engine.tiled`).
 
     A segment [a, b) keeps only its input boundary; its backward recomputes the boundaries
@@ -307,7 +324,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     outer_keys = list(outer)
     bind_outer = _binder(model, outer_keys)
     outer_vals = [outer[k] for k in outer_keys]
-    spans = token_tiles(L, tile)
+    spans = token_tiles(L, light_tile or tile)
 
     # Embedding, a tile at a time (Gemma-4's per-layer inputs are [L, layers, 256]).
     hs, plis = [], []
@@ -327,12 +344,16 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     sources = stack.kv_source
     donors = {src for i, src in enumerate(sources) if src != i}
 
-    def call(i: int, kv: dict) -> LayerCall:
+    def call(i: int, kv: dict, then: int | None = None) -> LayerCall:
+        """Layer i's call; `then` is the layer after it in this pass, whose per-layer input
+        starts coming back from the host now."""
         src = sources[i]
         pli = store.get(pli_store[i]) if pli_store[i] is not None else None
+        if then is not None and 0 <= then < stack.num_layers and pli_store[then] is not None:
+            store.prefetch(pli_store[then])
         return LayerCall(stack, i, masks[stack.layer_types[i]], tile, list(per_layer[i]), pli,
                          kv[src] if src != i else None, need_input_grad, compile,
-                         seed=seed + 100_003 * i)
+                         seed=seed + 100_003 * i, light_tile=light_tile)
 
     def leaves(i: int) -> list[mx.array]:
         return list(per_layer[i].values())
@@ -340,10 +361,11 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     # 1. Forward.
     kv_saved: dict[int, tuple[mx.array, mx.array]] = {}
     boundaries = []
-    for a, b in segs:
-        boundaries.append(store.put(h))
+    kept = len(segs) - offload_keep  # segments from here on keep their boundary on the device
+    for k, (a, b) in enumerate(segs):
+        boundaries.append(store.put(h, keep=k >= kept))
         for i in range(a, b):
-            h, kv = layer_forward(call(i, kv_saved), h, leaves(i))
+            h, kv = layer_forward(call(i, kv_saved, i + 1), h, leaves(i))
             if i in donors:
                 kv_saved[i] = kv
 
@@ -365,17 +387,20 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
         x = store.get(boundaries[k])
         store.drop(boundaries[k])
         boundaries[k] = None
+        if k > 0:  # the next segment's boundary starts coming back while this one runs
+            store.prefetch(boundaries[k - 1])
         inner = [x]
         for i in range(a, b - 1):  # recompute the boundaries inside the segment
-            inner.append(layer_forward(call(i, kv_saved), inner[-1], leaves(i))[0])
+            inner.append(layer_forward(call(i, kv_saved, i + 1), inner[-1], leaves(i))[0])
         for i in reversed(range(a, b)):
             upstream = need_input_grad or any(per_layer[j] for j in range(i))
             if not upstream and not per_layer[i]:
                 done = True  # frozen from here down
                 break
             keys = list(per_layer[i])
+            then = i - 1 if i > a else (segs[k - 1][0] if k > 0 else None)
             dh, dpli, d_shared, grads = layer_vjp(
-                call(i, kv_saved), inner.pop(), dh, leaves(i), d_kv.pop(i, None)
+                call(i, kv_saved, then), inner.pop(), dh, leaves(i), d_kv.pop(i, None)
             )
             if per_layer[i]:
                 stack.layers[i].update(tree_unflatten(list(per_layer[i].items())), strict=False)
