@@ -66,6 +66,14 @@ elif [ "$part" = tiled6 ]; then
   $B --seq 8192 --steps 2 $T --tile 2048 --in-flight 2 --timeout 75
   $B --seq 8192 --steps 2 $T --tile 4096 --light-tile 8192 --in-flight 2 --timeout 75
   $B --seq 8191 --steps 2 --modes ckpt --timeout 75
+elif [ "$part" = tiled6b ]; then
+  # The side-stream prefetch on and off, light tiles 4096 / 8192 with heavy tiles 2048.
+  T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2 --tile 2048"
+  $B --seq 8192 --steps 2 $T --prefetch off --timeout 240
+  $B --seq 8192 --steps 2 $T --prefetch on --timeout 75
+  $B --seq 8192 --steps 2 $T --light-tile 4096 --prefetch off --timeout 75
+  $B --seq 8192 --steps 2 $T --light-tile 8192 --prefetch off --timeout 75
+  $B --seq 8192 --steps 2 $T --light-tile 4096 --prefetch on --timeout 75
 elif [ "$part" = tiled7 ]; then
   # The 8K configuration $BEST (from tiled6) with the last N boundaries kept on the device, then
   # 32K and 64K with light tiles.

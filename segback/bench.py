@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-keep", default=None, type=lambda v: v if v == "auto" else int(v),
                    help="with --offload: the last N segments keep their boundary on the device; "
                    "auto: as many as --target-gb allows (planner)")
+    p.add_argument("--prefetch", default=None, choices=["on", "off"],
+                   help="with --offload: fetch parked arrays back a layer early on a side "
+                   "stream; default: segback.engine.offload.PREFETCH")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="mx.compile the tile functions (with --tile); auto: on the CPU only")
     p.add_argument("--in-flight", type=int, default=None, choices=[1, 2],
@@ -130,10 +133,15 @@ def run_worker(args) -> dict:
         compile_tiles = {"on": True, "off": False}.get(args.compile, compile_by_default())
         from segback.engine import tiled
 
+        from segback.engine import offload
+
         if args.in_flight:
             tiled.IN_FLIGHT = args.in_flight
+        if args.prefetch:
+            offload.PREFETCH = args.prefetch == "on"
         row.update(tile=args.tile, light_tile=args.light_tile, offload=args.offload,
-                   offload_keep=keep, compile=compile_tiles, in_flight=tiled.IN_FLIGHT)
+                   offload_keep=keep, compile=compile_tiles, in_flight=tiled.IN_FLIGHT,
+                   prefetch=offload.PREFETCH if args.offload else None)
         stats: dict = {}
 
         def vg(m, b, lens):

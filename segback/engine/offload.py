@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 MAX_PENDING = 2
+PREFETCH = True  # `prefetch` brings parked arrays back early (bench --prefetch on|off)
 _POOL: ThreadPoolExecutor | None = None
 
 
@@ -95,7 +96,7 @@ class HostStore:
 
     def prefetch(self, handle: Any) -> None:
         """Start bringing a parked array back, so that its `get` finds it on the device."""
-        if not isinstance(handle, Parked) or id(handle) in self._fetched:
+        if not PREFETCH or not isinstance(handle, Parked) or id(handle) in self._fetched:
             return
         x = mx.array(handle.host.result())
         with mx.stream(_side_stream()):
