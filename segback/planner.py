@@ -35,6 +35,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from segback.engine import offload as offload_module
 from segback.engine.offload import MAX_PENDING
 
 GB = 1024**3  # as segback.engine.memory
@@ -369,6 +370,7 @@ class CostModel:
         self.tile, self.offload = (min(int(tile), seq_len) if tile else None), bool(offload)
         self.light = min(int(light_tile or tile), seq_len) if tile else None
         self.offload_keep = int(offload_keep)
+        self.prefetch = self.offload and offload_module.PREFETCH
         self.coef = coef or Coefficients()
         s, L, B = geom.dtype_bytes, seq_len, batch_size
         self.hidden_bytes = B * L * geom.hidden * s  # one [B, L, hidden] boundary
@@ -387,7 +389,7 @@ class CostModel:
         # the segment's inputs are part of its transient).
         self.boundary_bytes = 0.0 if self.offload else float(self.hidden_bytes)
         self.fixed_bytes = float(self.hidden_bytes if self.tile else 2 * self.hidden_bytes)
-        if self.offload:  # the next segment's boundary, fetched back while this one runs
+        if self.prefetch:  # the next segment's boundary, fetched back while this one runs
             self.fixed_bytes += self.hidden_bytes
 
     def _pre_elems(self, g: LayerGeom) -> int:
@@ -406,8 +408,9 @@ class CostModel:
         tile = self.coef.activation * B * self.tile * (g.act_elems + g.bwd_elems) * s
         light = self.coef.activation * B * self.light * self._pre_elems(g) * s
         pli = B * L * self.g.per_layer_width // max(1, self.g.num_layers) * s
-        # offload: this layer's per-layer input and the next one's, fetched back early
-        return float(whole + max(tile, light) + (2 * pli if self.offload else 0))
+        # offload: this layer's per-layer input fetched back (and the next one's, prefetching)
+        fetched = (2 if self.prefetch else 1) * pli if self.offload else 0
+        return float(whole + max(tile, light) + fetched)
 
     def forward_bytes(self) -> float:
         """The tiled forward's worst layer, bytes: Q, K, V, O over the whole sequence and its
@@ -914,10 +917,9 @@ def plan_segments(
                                 calibration_lengths)
     given = segments
     options = []  # (cost, segments, meets_target, meets_time, message) per configuration
-    for att, t, off in configs:
-        keep = offload_keep if off and offload_keep != "auto" else 0
+    for att, t, off in configs:  # boundaries kept on the device are chosen after the cut
         cost = CostModel(geom, seq_len, batch_size, att, coef, t, off,
-                         light_tile if t else None, keep)
+                         light_tile if t else None)
         if given is None:
             options.append((cost, *choose(cost, target_gb, time_budget)))
             continue
@@ -929,10 +931,14 @@ def plan_segments(
                         time_budget is None or cost.relative_step_time(segs) <= time_budget,
                         f"given plan of {len(segs)} segments: {peak / GB:.2f} GB"))
     cost, segments, meets_target, meets_time, message = _pick(options, target_gb)
-    if offload_keep == "auto" and cost.offload and target_gb is not None and meets_target:
-        cost.offload_keep = _most_kept(cost, segments, target_gb)
-        if cost.offload_keep:
-            message += f"; the last {cost.offload_keep} boundaries stay on the device"
+    if cost.offload and offload_keep == "auto":
+        if target_gb is not None and meets_target:
+            cost.offload_keep = _most_kept(cost, segments, target_gb)
+    elif cost.offload:
+        cost.offload_keep = offload_keep
+        meets_target = target_gb is None or cost.evaluate(segments)["peak"] <= target_gb * GB
+    if cost.offload and cost.offload_keep:
+        message += f"; the last {cost.kept(len(segments))} boundaries stay on the device"
     if len(options) > 1:
         what = f"tile {cost.tile}" + (", offload" if cost.offload else "") if cost.tile \
             else "untiled"

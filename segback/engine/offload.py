@@ -7,9 +7,10 @@ GPU idle meanwhile (MLX-CUDA memory is managed memory; a host copy runs at ~2.5 
 The copy out runs on a worker thread while the GPU computes (numpy's copy releases the GIL),
 from a device copy of its own, so the CPU's reads do not pull away pages the next layer reads.
 The copy back stays in the calling thread: `mx.array(numpy)` holds the GIL, and on a worker it
-stalled the thread that feeds the GPU (measured: the step got no faster). `prefetch` starts it
-one layer early instead: the host copy lands in a fresh array and a copy kernel on a side stream
-pulls it onto the device while the layer before it runs on the main stream.
+stalled the thread that feeds the GPU (measured: the step got no faster). `prefetch` (off by
+default, `PREFETCH`) starts it one layer early instead: the host copy lands in a fresh array and
+a copy kernel on a side stream pulls it onto the device while the layer before it runs on the
+main stream; on the H200 that measured no faster either.
 At most `MAX_PENDING` arrays wait for their copy out, each alive on the device until copied:
 without that bound, parking many arrays in a row (the per-layer inputs) would keep them all.
 """
@@ -25,7 +26,10 @@ import mlx.core as mx
 import numpy as np
 
 MAX_PENDING = 2
-PREFETCH = True  # `prefetch` brings parked arrays back early (bench --prefetch on|off)
+# `prefetch` brings parked arrays back a layer early (bench --prefetch on|off). Off: on the H200
+# (e4b at 8K, 5 timed steps) it measured 6.55 s a step against 6.50 s without, for one more
+# boundary on the device (+0.7 GB at 128K).
+PREFETCH = False
 _POOL: ThreadPoolExecutor | None = None
 
 

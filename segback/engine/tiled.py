@@ -32,7 +32,7 @@ import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from segback.engine.attention import (
     MaskSpec,
@@ -76,20 +76,28 @@ def tiles(length: int, tile: int) -> list[tuple[int, int]]:
 
 
 class TileFns:
-    """One layer's four tile functions, pure in their array inputs (so `mx.compile` can trace
+    """The four tile functions of a layer, pure in their array inputs (so `mx.compile` can trace
     each once per tile shape and replay it for every tile and every step).
 
     Inputs are the tile's hidden rows, its RoPE offset (an array, so all tiles share a trace),
-    the attention rows or cotangents, the per-layer input, the donor K/V (sharers) and the
-    layer's trainable leaves; frozen weights are read from the layer as constants.
+    the attention rows or cotangents, the per-layer input, the donor K/V (sharers), the layer's
+    trainable leaves and (compiled) its frozen ones. Compiled, one TileFns serves every layer of
+    the same structure (`structure`): it runs its template layer (`index`) with the calling
+    layer's weights bound in, so 42 e4b layers trace 3 kinds, not 42. Eager, frozen weights are
+    read from the layer itself and each layer has its own.
     """
 
     def __init__(self, stack: Stack, index: int, mask: MaskSpec, keys: list[str],
-                 owns_kv: bool, has_pli: bool, pli_grad: bool, compile: bool):
+                 owns_kv: bool, has_pli: bool, pli_grad: bool, compile: bool,
+                 frozen_keys: list[str] | None = None):
         self.stack, self.index, self.mask, self.keys = stack, index, mask, keys
         self.owns_kv, self.has_pli, self.pli_grad = owns_kv, has_pli, pli_grad
-        self.bind = bind_layer(stack.layers[index], keys)
+        self.frozen_keys = list(frozen_keys or [])
+        self.n_leaves = len(keys)
+        self.bind = bind_layer(stack.layers[index], keys + self.frozen_keys)
         self.scale: float | None = None
+        self.compiled = compile
+        self._saved: list[mx.array] | None = None  # the template's own weights while tracing
         wrap = self._compiled if compile else (lambda f: f)
         self.pre = wrap(self._pre)
         self.post = wrap(self._post)
@@ -97,20 +105,23 @@ class TileFns:
         self.pre_vjp = wrap(self._pre_vjp)
 
     def _compiled(self, fn: Callable) -> Callable:
-        """`mx.compile(fn)`, putting the real leaves back after each call: tracing binds
-        placeholders into the layer, which nothing else may see."""
+        """`mx.compile(fn)`, putting the template's own weights back after a call that traced:
+        tracing binds placeholders into the layer, which nothing else may see."""
         traced = mx.compile(fn)
-        n = len(self.keys)
 
         def call(*args):
             out = traced(*args)
-            if n:
-                self.bind(list(args[-n:]))
+            if self._saved is not None:
+                self.bind(self._saved)
+                self._saved = None
             return out
 
         return call
 
     def _run(self, h_t, offset, rows, pli_t, shared, leaves) -> tuple[mx.array, TileCache]:
+        if self.compiled and self._saved is None:  # tracing: remember the real weights
+            flat = dict(tree_flatten(self.stack.layers[self.index].parameters()))
+            self._saved = [flat[k] for k in self.keys + self.frozen_keys]
         self.bind(list(leaves))
         cache = TileCache(offset, rows)
         out, _ = self.stack.layer(self.index, h_t, self.mask, pli_t, shared, cache)
@@ -119,31 +130,32 @@ class TileFns:
         return out, cache
 
     def _split(self, rest):
-        """(per-layer input, shared K/V, leaves) from the trailing inputs."""
+        """(per-layer input, shared K/V, trainable leaves, frozen leaves) from the trailing
+        inputs."""
         rest = list(rest)
         pli = rest.pop(0) if self.has_pli else None
         shared = None if self.owns_kv else (rest.pop(0), rest.pop(0))
-        return pli, shared, rest
+        return pli, shared, rest[:self.n_leaves], rest[self.n_leaves:]
 
     def _pre(self, h_t, offset, *rest):
         """Queries (and own keys, values) of one tile: [B, H, n, D]."""
-        _, shared, leaves = self._split(rest)
-        _, c = self._run(h_t, offset, None, None, shared, leaves)
+        _, shared, leaves, frozen = self._split(rest)
+        _, c = self._run(h_t, offset, None, None, shared, leaves + frozen)
         return [c.queries] + ([c.keys, c.values] if self.owns_kv else [])
 
     def _post(self, h_t, offset, o_t, *rest):
         """The layer's output on one tile, given the tile's attention rows."""
-        pli, shared, leaves = self._split(rest)
-        return self._run(h_t, offset, o_t, pli, shared, leaves)[0]
+        pli, shared, leaves, frozen = self._split(rest)
+        return self._run(h_t, offset, o_t, pli, shared, leaves + frozen)[0]
 
     def _post_vjp(self, h_t, offset, o_t, dh_t, *rest):
         """(dh, dO, [d per-layer input], *leaf grads) of the post pass on one tile."""
-        pli, shared, leaves = self._split(rest)
+        pli, shared, leaves, frozen = self._split(rest)
         with_pli = self.pli_grad and pli is not None
 
         def f(h, o, *xs):
             p, lv = (xs[0], xs[1:]) if with_pli else (pli, xs)
-            return [self._run(h, offset, o, p, shared, lv)[0]]
+            return [self._run(h, offset, o, p, shared, list(lv) + frozen)[0]]
 
         primals = [h_t, o_t] + ([pli] if with_pli else []) + list(leaves)
         return mx.vjp(f, primals, [dh_t])[1]
@@ -152,13 +164,30 @@ class TileFns:
         """(dh, *leaf grads) of the pre pass on one tile; own dK, dV lead `rest`."""
         rest = list(rest)
         cot = [dq] + ([rest.pop(0), rest.pop(0)] if self.owns_kv else [])
-        _, shared, leaves = self._split(rest)
+        _, shared, leaves, frozen = self._split(rest)
 
         def f(h, *lv):
-            _, c = self._run(h, offset, None, None, shared, lv)
+            _, c = self._run(h, offset, None, None, shared, list(lv) + frozen)
             return [c.queries] + ([c.keys, c.values] if self.owns_kv else [])
 
         return mx.vjp(f, [h_t, *leaves], cot)[1]
+
+
+def structure(layer: nn.Module) -> tuple:
+    """What a compiled trace of `layer` depends on besides its inputs: module types, their
+    scalar settings (not the layer's index, which only names it) and every weight's key, shape
+    and dtype. Layers equal in this share their compiled tile functions."""
+    parts = []
+    for path, m in layer.named_modules():
+        scalars = tuple(sorted((k, v) for k, v in vars(m).items()
+                               if isinstance(v, (bool, int, float, str)) and k != "layer_idx"))
+        arrays = tuple(sorted((k, tuple(v.shape), str(v.dtype), float(v.astype(mx.float32).sum()))
+                              for k, v in vars(m).items()
+                              if isinstance(v, mx.array) and k.startswith("_")))
+        parts.append((path, type(m).__name__, scalars, arrays))
+    weights = tuple((k, tuple(v.shape), str(v.dtype))
+                    for k, v in tree_flatten(layer.parameters()))
+    return tuple(parts), weights
 
 
 # Tile functions per layer module (by id; modules are dicts, so unhashable), kept across steps
@@ -172,6 +201,20 @@ def _fns_of(layer: nn.Module) -> dict:
         ref, fns = weakref.ref(layer), {}
         _FNS[id(layer)] = (ref, fns)
     return fns
+
+
+# Compiled tile functions shared by layers of one structure: (LayerCall key, structure) -> them.
+_SHARED: dict[tuple, TileFns] = {}
+
+
+def _shared_fns(call: LayerCall, key: tuple, layer: nn.Module) -> TileFns:
+    skey = (key, structure(layer))
+    if skey not in _SHARED:
+        trainable = set(call.keys)
+        frozen = [k for k, _ in tree_flatten(layer.parameters()) if k not in trainable]
+        _SHARED[skey] = TileFns(call.stack, call.index, call.mask, call.keys, call.owns_kv,
+                                call.per_layer is not None, call.pli_grad, True, frozen)
+    return _SHARED[skey]
 
 
 def _can_compile(stack: Stack) -> bool:
@@ -208,12 +251,18 @@ class LayerCall:
         compile = self.compile and self.deterministic
         key = (tuple(self.keys), self.owns_kv, self.per_layer is not None, self.pli_grad,
                self.mask, compile)
-        per_module = _fns_of(self.stack.layers[self.index])
+        layer = self.stack.layers[self.index]
+        per_module = _fns_of(layer)
         if key not in per_module:
-            per_module[key] = TileFns(self.stack, self.index, self.mask, self.keys,
-                                      self.owns_kv, self.per_layer is not None, self.pli_grad,
-                                      compile)
+            per_module[key] = _shared_fns(self, key, layer) if compile else TileFns(
+                self.stack, self.index, self.mask, self.keys, self.owns_kv,
+                self.per_layer is not None, self.pli_grad, False)
         self.fns: TileFns = per_module[key]
+        if self.fns.frozen_keys:
+            flat = dict(tree_flatten(layer.parameters()))
+            self.frozen = [flat[k] for k in self.fns.frozen_keys]
+        else:
+            self.frozen = []
 
     @property
     def owns_kv(self) -> bool:
@@ -279,7 +328,8 @@ def _pre(call: LayerCall, h: mx.array, spans, leaves) -> tuple[mx.array, mx.arra
     flight = InFlight()
     for t, (t0, t1) in enumerate(spans):
         call.reseed(t, 0)
-        parts = call.fns.pre(h[:, t0:t1], _offset(t0), *call.extras(t0, t1), *leaves)
+        parts = call.fns.pre(h[:, t0:t1], _offset(t0), *call.extras(t0, t1), *leaves,
+                             *call.frozen)
         flight.push(parts)
         qs.append(parts[0])
         if call.owns_kv:
@@ -310,7 +360,7 @@ def layer_forward(call: LayerCall, h: mx.array, leaves: list[mx.array]
     for t, (t0, t1) in enumerate(tiles(L, call.post_tile)):
         call.reseed(t, 1)
         out = call.fns.post(h[:, t0:t1], _offset(t0), o[:, :, t0:t1], *call.extras(t0, t1),
-                            *leaves)
+                            *leaves, *call.frozen)
         flight.push(out)
         outs.append(out)
     flight.drain()
@@ -345,7 +395,8 @@ def layer_vjp(
         o_t = o[:, :, t0:t1]
         call.reseed(t, 1)
         dh_t, do_t, *rest = call.fns.post_vjp(
-            h[:, t0:t1], _offset(t0), o_t, dh_out[:, t0:t1], *call.extras(t0, t1), *params
+            h[:, t0:t1], _offset(t0), o_t, dh_out[:, t0:t1], *call.extras(t0, t1), *params,
+            *call.frozen
         )
         if with_pli:
             dplis.append(rest.pop(0))
@@ -375,7 +426,8 @@ def layer_vjp(
         own = [dk[:, :, t0:t1], dv[:, :, t0:t1]] if call.owns_kv else []
         call.reseed(t, 0)
         dh_t, *rest = call.fns.pre_vjp(
-            h[:, t0:t1], _offset(t0), dq[:, :, t0:t1], *own, *call.extras(t0, t1), *params
+            h[:, t0:t1], _offset(t0), dq[:, :, t0:t1], *own, *call.extras(t0, t1), *params,
+            *call.frozen
         )
         grads = [g + d for g, d in zip(grads, rest)]
         dh_in.append(dh_post[:, t0:t1] + dh_t)
