@@ -121,6 +121,12 @@ def run_worker(args) -> dict:
             row[var.lower()] = int(os.environ[var])
 
     if mode == "segmented":
+        from segback.engine import offload, tiled
+
+        if args.in_flight:
+            tiled.IN_FLIGHT = args.in_flight
+        if args.prefetch:  # before planning: the planner counts a prefetched boundary
+            offload.PREFETCH = args.prefetch == "on"
         plan = _segments(args, model)
         keep = args.offload_keep if isinstance(args.offload_keep, int) else 0
         if isinstance(plan, dict):
@@ -131,14 +137,6 @@ def run_worker(args) -> dict:
             row["segments"] = plan
         row["attention"] = "chunked" if args.tile else args.attention
         compile_tiles = {"on": True, "off": False}.get(args.compile, compile_by_default())
-        from segback.engine import tiled
-
-        from segback.engine import offload
-
-        if args.in_flight:
-            tiled.IN_FLIGHT = args.in_flight
-        if args.prefetch:
-            offload.PREFETCH = args.prefetch == "on"
         row.update(tile=args.tile, light_tile=args.light_tile, offload=args.offload,
                    offload_keep=keep, compile=compile_tiles, in_flight=tiled.IN_FLIGHT,
                    prefetch=offload.PREFETCH if args.offload else None)

@@ -167,8 +167,9 @@ def _lora_parameters(cfg: TrainConfig) -> dict:
 def resolve_plan(plan: Any, model: nn.Module, seq: int, batch_size: int, lora_rank: int = 8,
                  num_layers: int = -1, attention: str = "fused", tile: Any = None,
                  offload: Any = False) -> tuple[list[tuple[int, int]], dict[str, Any]]:
-    """Segments and the engine options (attention, tile, offload) a plan was made for; the
-    arguments fill in what a plan does not say (`--plan auto` passes them to the planner)."""
+    """Segments and the engine options (attention, tile, offload, light_tile, offload_keep) a
+    plan was made for; the arguments fill in what a plan does not say (`--plan auto` passes them
+    to the planner)."""
     from segback.engine import resolve_segments
     from segback.engine.segmented import engine_options
 
@@ -429,7 +430,9 @@ def train(
     print(f"segback: {n_trainable / 1e6:.3f}M trainable parameters, {len(segments)} segments "
           f"{segments}, {engine['attention']} attention"
           + (f", tiles of {engine['tile']} tokens" if engine["tile"] else "")
+          + (f" ({engine['light_tile']} in the light passes)" if engine.get("light_tile") else "")
           + (", boundaries in host memory" if engine["offload"] else "")
+          + (f" but the last {engine['offload_keep']}" if engine.get("offload_keep") else "")
           + f", dtype {dtype}, {len(train_set)} train examples",
           file=sys.stderr)
 

@@ -311,14 +311,18 @@ def test_plan_engine_options_reach_the_engine(tmp_path):
     model = build_model("tiny-llama")
     plan = tmp_path / "plan.json"
     plan.write_text('{"segments": [[0, 2], [2, 4]], "inputs": {"attention": "chunked"}}')
-    untiled = dict(attention="chunked", tile=None, offload=False)
+    untiled = dict(attention="chunked", tile=None, offload=False, light_tile=None,
+                   offload_keep=0)
     assert resolve_plan(str(plan), model, 64, 1) == ([(0, 2), (2, 4)], untiled)
     assert resolve_plan("2", model, 64, 1) == ([(0, 2), (2, 4)], untiled | {"attention": "fused"})
-    assert resolve_plan("2", model, 64, 1, tile=16, offload=True)[1] == dict(
-        attention="chunked", tile=16, offload=True)  # the tiled engine's attention is chunked
+    assert resolve_plan("2", model, 64, 1, tile=16, offload=True)[1] == untiled | dict(
+        tile=16, offload=True)  # the tiled engine's attention is chunked
     plan.write_text(json.dumps(plan_segments(model, 256, tile=64, offload=True)))
-    assert resolve_plan(str(plan), model, 256, 1)[1] == dict(attention="chunked", tile=64,
-                                                             offload=True)
+    assert resolve_plan(str(plan), model, 256, 1)[1] == untiled | dict(tile=64, offload=True)
+    plan.write_text(json.dumps(plan_segments(model, 256, tile=64, offload=True, light_tile=128,
+                                             offload_keep=1)))
+    assert resolve_plan(str(plan), model, 256, 1)[1] == untiled | dict(
+        tile=64, offload=True, light_tile=128, offload_keep=1)  # a plan's own tiling runs
     with pytest.raises(ValueError, match="needs --plan auto"):
         resolve_plan("2", model, 64, 1, tile="auto")
     with pytest.raises(ValueError, match="tile must be"):
