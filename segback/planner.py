@@ -399,11 +399,11 @@ class CostModel:
 
     def _tiled_layer(self, g: LayerGeom) -> float:
         """One tiled layer's backward, bytes: Q, dO, dQ and the own K, V over the whole sequence,
-        float32 dK/dV accumulators and their casts, rowsum(dO * O), dh_in, one tile's
-        activations and cotangents (the post pass's on a tile, or the pre pass's on a light
-        tile), and (offload) the layer's per-layer input fetched back."""
+        float32 dK/dV accumulators, their update copies and casts, rowsum(dO * O), dh_in, one
+        tile's activations and cotangents (the post pass's on a tile, or the pre pass's on a
+        light tile), and (offload) the layer's per-layer input fetched back."""
         s, L, B = self.g.dtype_bytes, self.L, self.B
-        whole = B * L * (3 * g.q_width * s + 2 * g.kv_own * s + 2 * g.kv_width * (4 + s)
+        whole = B * L * (3 * g.q_width * s + 2 * g.kv_own * s + 2 * g.kv_width * (8 + s)
                          + g.heads * 4) + self.hidden_bytes
         tile = self.coef.activation * B * self.tile * (g.act_elems + g.bwd_elems) * s
         light = self.coef.activation * B * self.light * self._pre_elems(g) * s

@@ -174,6 +174,34 @@ def _add_rows(acc: mx.array, update: mx.array, start: int) -> mx.array:
     )
 
 
+class Rows:
+    """A [B, H, L, D] array kept as the pieces it was computed in (along L), read a row range at
+    a time: the tiled engine's dO and dQ never exist as one concatenated copy beside their
+    pieces (at e4b's global layers that copy is 8 KB a token, 1 GB at 128K)."""
+
+    def __init__(self, pieces: Sequence[mx.array], axis: int = 2):
+        self.pieces, self.axis = list(pieces), axis
+        self.starts = [0]
+        for x in self.pieces:
+            self.starts.append(self.starts[-1] + x.shape[axis])
+
+    def __call__(self, a: int, b: int) -> mx.array:
+        """Rows [a, b) (along `axis`) as one array."""
+        parts = []
+        lead = (slice(None),) * self.axis
+        for x, s0, s1 in zip(self.pieces, self.starts, self.starts[1:]):
+            if s1 > a and s0 < b:
+                parts.append(x[lead + (slice(max(a, s0) - s0, min(b, s1) - s0),)])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=self.axis)
+
+
+def _rows(x: mx.array | Rows, q0: int, q1: int, Hkv: int) -> mx.array:
+    """Rows [q0, q1) of a [B, H, L, D] array (or Rows) as [B, Hkv, rep * c, D]."""
+    r = x(q0, q1) if isinstance(x, Rows) else x[:, :, q0:q1]
+    B, H, c, D = r.shape
+    return r.reshape(B, Hkv, H // Hkv * c, D)
+
+
 def _split(queries: mx.array, keys: mx.array) -> tuple[mx.array, int, int]:
     """Queries as [B, Hkv, rep, Lq, D], the GQA repeat, and the query offset Lk - Lq."""
     B, H, Lq, D = queries.shape
@@ -203,24 +231,22 @@ def attention_forward(
 
 def attention_backward(
     queries: mx.array, keys: mx.array, values: mx.array, output: mx.array,
-    d_output: mx.array, scale: float, window: int | None, chunk: int,
-    delta: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
+    d_output: mx.array | Rows, scale: float, window: int | None, chunk: int,
+    delta: mx.array | Rows | None = None, dq_rows: bool = False,
+) -> tuple[mx.array | Rows, mx.array, mx.array]:
     """(dQ, dK, dV) of `attention_forward`, recomputing each query chunk's scores.
 
     `delta` = rowsum(dO * O) in float32, [B, H, Lq, 1]; given, `output` may be None (a caller
-    that computed delta tile by tile need not keep O alive).
+    that computed delta tile by tile need not keep O alive). `d_output` and `delta` may be
+    `Rows`; `dq_rows` returns dQ as `Rows` of its chunks (no concatenated copy).
     """
     B, H, Lq, D = queries.shape
     Hkv, Lk = keys.shape[1], keys.shape[2]
     q5, rep, offset = _split(queries, keys)
-    do5 = d_output.reshape(B, Hkv, rep, Lq, D)
     if delta is None:
         # rowsum(dO * O): the softmax-gradient correction, O(L * D) for all rows at once.
-        o5 = output.reshape(B, Hkv, rep, Lq, D)
-        delta5 = (do5.astype(mx.float32) * o5.astype(mx.float32)).sum(-1, keepdims=True)
-    else:
-        delta5 = delta.reshape(B, Hkv, rep, Lq, 1)
+        do = d_output(0, Lq) if isinstance(d_output, Rows) else d_output
+        delta = (do.astype(mx.float32) * output.astype(mx.float32)).sum(-1, keepdims=True)
     dk = mx.zeros((B, Hkv, Lk, D), mx.float32)
     dv = mx.zeros((B, Hkv, Lk, D), mx.float32)
     dqs = []
@@ -231,23 +257,19 @@ def attention_backward(
             # scheduler may start many chunks at once and hold their scores together.
             qc = mx.depends(qc, [dqs[-1], dk, dv])
         kc, vc = keys[:, :, k0:k1], values[:, :, k0:k1]
-        doc = _q_chunk(do5, q0, q1)
+        doc = _rows(d_output, q0, q1, Hkv)
         p = _probs(qc, kc, scale, mask, rep)
         dv_c = p.astype(doc.dtype).swapaxes(-1, -2) @ doc
         dp = doc @ vc.swapaxes(-1, -2)
         ds = (_dscores_fused if FUSE_ELEMENTWISE else _dscores)(
-            p, dp, _q_chunk(delta5, q0, q1), scale
+            p, dp, _rows(delta, q0, q1, Hkv), scale
         ).astype(queries.dtype)
-        dqs.append((ds @ kc).reshape(B, Hkv, rep, q1 - q0, D))
+        dqs.append((ds @ kc).reshape(B, H, q1 - q0, D).astype(queries.dtype))
         dk_c = ds.swapaxes(-1, -2) @ qc
         dk = _add_rows(dk, dk_c, k0)
         dv = _add_rows(dv, dv_c, k0)
-    dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
-    return (
-        dq.reshape(B, H, Lq, D).astype(queries.dtype),
-        dk.astype(keys.dtype),
-        dv.astype(values.dtype),
-    )
+    dq = Rows(dqs) if dq_rows else dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=2)
+    return dq, dk.astype(keys.dtype), dv.astype(values.dtype)
 
 
 def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: bool):

@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from segback.engine.attention import (
     MaskSpec,
+    Rows,
     attention_backward,
     attention_forward,
     attention_shape,
@@ -407,32 +408,35 @@ def layer_vjp(
         dos.append(do_t)
         deltas.append(delta)
     flight.drain()
-    del o
+    del o, o_t  # the last tile's slice would keep all of O's buffer alive
+    # dO, rowsum(dO * O) and dQ stay in their pieces: a concatenated copy beside them would be
+    # one more [L, heads x head_dim] array at the layer's peak.
     dq, dk, dv = attention_backward(
-        q, k, v, None, _cat(dos, 2), scale, window, chunk, delta=_cat(deltas, 2)
+        q, k, v, None, Rows(dos), scale, window, chunk, delta=Rows(deltas), dq_rows=True
     )
-    del dos, deltas
+    del dos, deltas, q, k, v
     d_shared = None
     if call.owns_kv and d_own_kv is not None:
         dk, dv = dk + d_own_kv[0], dv + d_own_kv[1]
     elif not call.owns_kv:
         d_shared = (dk, dv)
-    mx.eval(dq, dk, dv)
+    mx.eval(dq.pieces, dk, dv)
 
-    dh_post = _cat(dhs, 1)
+    dh_post = Rows(dhs, axis=1)
     del dhs
     dh_in = []
     for t, (t0, t1) in enumerate(light):
         own = [dk[:, :, t0:t1], dv[:, :, t0:t1]] if call.owns_kv else []
         call.reseed(t, 0)
         dh_t, *rest = call.fns.pre_vjp(
-            h[:, t0:t1], _offset(t0), dq[:, :, t0:t1], *own, *call.extras(t0, t1), *params,
+            h[:, t0:t1], _offset(t0), dq(t0, t1), *own, *call.extras(t0, t1), *params,
             *call.frozen
         )
         grads = [g + d for g, d in zip(grads, rest)]
-        dh_in.append(dh_post[:, t0:t1] + dh_t)
+        dh_in.append(dh_post(t0, t1) + dh_t)
         flight.push(dh_in[-1], grads)
     flight.drain()
+    del dq, dk, dv, dh_post
     dpli = _cat(dplis, 1) if with_pli else None
     return _cat(dh_in, 1), dpli, d_shared, grads
 
