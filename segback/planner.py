@@ -397,14 +397,22 @@ class CostModel:
         projections (Q, own K/V, before and after norms and RoPE) and their cotangents."""
         return 2 * (3 * self.g.hidden + 3 * (g.q_width + 2 * g.kv_own))
 
+    def whole_sequence_bytes(self, g: LayerGeom) -> float:
+        """What a tiled layer's backward holds over the whole sequence (bench/
+        tiled_layer_memory.py measures it): Q, dO, dQ, the own K, V, float32 dK/dV, their
+        update copies and casts, rowsum(dO * O) and the post pass's dh."""
+        s = self.g.dtype_bytes
+        return float(self.B * self.L * (3 * g.q_width * s + 2 * g.kv_own * s
+                                         + 2 * g.kv_width * (8 + s) + g.heads * 4)
+                     + self.hidden_bytes)
+
     def _tiled_layer(self, g: LayerGeom) -> float:
         """One tiled layer's backward, bytes: Q, dO, dQ and the own K, V over the whole sequence,
         float32 dK/dV accumulators, their update copies and casts, rowsum(dO * O), dh_in, one
         tile's activations and cotangents (the post pass's on a tile, or the pre pass's on a
         light tile), and (offload) the layer's per-layer input fetched back."""
         s, L, B = self.g.dtype_bytes, self.L, self.B
-        whole = B * L * (3 * g.q_width * s + 2 * g.kv_own * s + 2 * g.kv_width * (8 + s)
-                         + g.heads * 4) + self.hidden_bytes
+        whole = self.whole_sequence_bytes(g)
         tile = self.coef.activation * B * self.tile * (g.act_elems + g.bwd_elems) * s
         light = self.coef.activation * B * self.light * self._pre_elems(g) * s
         pli = B * L * self.g.per_layer_width // max(1, self.g.num_layers) * s

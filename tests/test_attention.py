@@ -9,6 +9,9 @@ from mlx_lm.models.base import create_causal_mask
 
 from segback.engine.attention import (
     MaskSpec,
+    Rows,
+    attention_backward,
+    attention_forward,
     chunked_sdpa,
     default_chunk_size,
     sdpa_for_mlx_lm,
@@ -66,6 +69,34 @@ def test_matches_fused_values_and_grads(B, H, Hkv, L, D, window, chunk, Lk):
     for g, w, p in zip(got_grads, want_grads, (q, k, v)):
         assert g.shape == p.shape and g.dtype == p.dtype
         _assert_close(g, w)
+
+
+@pytest.mark.parametrize("axis", [1, 2])
+def test_rows_read_any_range_of_their_pieces(axis):
+    """Rows give the rows [a, b) of the concatenation of their pieces, across piece edges."""
+    mx.random.seed(4)
+    sizes = [5, 1, 7, 3]
+    shape = [2, 3, 4, 6]
+    pieces = [mx.random.normal(shape[:axis] + [n] + shape[axis + 1:]) for n in sizes]
+    whole, rows = mx.concatenate(pieces, axis=axis), Rows(pieces, axis=axis)
+    lead = (slice(None),) * axis
+    for a, b in [(0, 16), (0, 5), (4, 6), (5, 6), (6, 13), (2, 15), (15, 16)]:
+        assert mx.array_equal(rows(a, b), whole[lead + (slice(a, b),)]), (a, b)
+
+
+def test_backward_on_rows_equals_backward_on_arrays():
+    """The tiled engine's call (dO, delta as Rows, dQ back as Rows) gives the same bits."""
+    q, k, v, do = _inputs(1, 4, 2, 45, 8)
+    o = attention_forward(q, k, v, 0.3, None, 16)
+    delta = (do * o).sum(-1, keepdims=True)
+    want = attention_backward(q, k, v, None, do, 0.3, None, 16, delta=delta)
+    cut = [0, 10, 11, 30, 45]  # tiles that do not line up with the 16-row chunks
+    tiles = [(a, b) for a, b in zip(cut, cut[1:])]
+    got = attention_backward(q, k, v, None, Rows([do[:, :, a:b] for a, b in tiles]), 0.3, None,
+                             16, delta=Rows([delta[:, :, a:b] for a, b in tiles]), dq_rows=True)
+    assert isinstance(got[0], Rows)
+    assert mx.array_equal(got[0](0, 45), want[0])
+    assert mx.array_equal(got[1], want[1]) and mx.array_equal(got[2], want[2])
 
 
 def test_bfloat16_returns_input_dtypes():
