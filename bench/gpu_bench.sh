@@ -2,7 +2,7 @@
 # The H200 table of bench/RESULTS.md: e4b geometry (random weights, 4-bit, LoRA rank 8 on every
 # linear of all 42 layers), mlx-lm full / per-layer checkpoint vs segback segmented.
 # Usage on the GPU machine (after step 1 of ../shared/device/README.md):
-#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2..tiled8} OUT_DIR
+#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2..tiled9} OUT_DIR
 set -u
 part=$1; out=$2
 B="python3 -m segback.cli bench --model e4b --quant-bits 4 --out $out/bench.jsonl"
@@ -83,6 +83,14 @@ elif [ "$part" = tiled7 ]; then
   done
   $B --seq 32768 --steps 1 $T --tile 2048 --light-tile 8192 --in-flight 2 --timeout 110
   $B --seq 65536 --steps 0 $T --tile 1024 --light-tile 4096 --in-flight 2 --timeout 150
+elif [ "$part" = tiled9 ]; then
+  # After the whole-sequence copies left the tiled layer VJP (attention.Rows): the table again,
+  # 8K with 5 timed steps (2-step medians spread +-0.3 s on the H200), ckpt on the same machine.
+  T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2"
+  $B --seq 8192 --steps 5 $T --tile 2048 --timeout 240
+  $B --seq 8191 --steps 5 --modes ckpt --timeout 90
+  $B --seq 32768 --steps 1 $T --tile 2048 --timeout 120
+  $B --seq 131072 --steps 0 $T --tile 1024 --timeout 330
 elif [ "$part" = tiled8 ]; then
   T="--modes segmented --max-ops-per-buffer 4 --offload"
   $B --seq 131072 --steps 0 $T --tile 1024 --light-tile 4096 --in-flight 2 --timeout 400
