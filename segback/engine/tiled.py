@@ -11,12 +11,15 @@ Backward of one layer: recompute Q, K, V (pre pass per tile) and O (chunked atte
 the post pass per tile (-> dh, dO, parameter grads, rowsum(dO * O)); chunked attention backward
 over the whole sequence (-> dQ, dK, dV); VJP of the pre pass per tile (-> dh, parameter grads).
 Alive at once: the layer's Q, K, V, dO and their gradients, [L, heads x head_dim] each, plus one
-tile's activations; never an [L, MLP width] array.
+tile's activations; never an [L, MLP width] array. dO, rowsum(dO * O), dQ and the post pass's
+dh stay in the tiles or chunks they were computed in (`attention.Rows`): a concatenated copy
+beside them is what made the planner ~50% low at 128K.
 
 Two tile sizes: `tile` for the post pass's VJP, the one pass that holds MLP activations and
 their cotangents, and `light_tile` (default: `tile`) for the passes that hold no MLP cotangents:
 the pre pass, its VJP and the forward post pass. Fewer, larger tiles there cut the per-tile cost
-(graph build and launches, ~4.5 ms a tile on the H200 at e4b's width) where memory allows.
+(graph build and launches, ~4.5 ms a tile on the H200 at e4b's width) where memory allows;
+measured at 8K on the H200 the step got no faster beyond run-to-run noise (bench/RESULTS.md).
 
 Boundaries (the hidden state entering each segment) and per-layer inputs can live in host memory
 (`offload=True`, `segback.engine.offload`): copied out once in the forward (on a worker
