@@ -13,7 +13,7 @@ over the whole sequence (-> dQ, dK, dV); VJP of the pre pass per tile (-> dh, pa
 Alive at once: the layer's Q, K, V, dO and their gradients, [L, heads x head_dim] each, plus one
 tile's activations; never an [L, MLP width] array. dO, rowsum(dO * O), dQ and the post pass's
 dh stay in the tiles or chunks they were computed in (`attention.Rows`): a concatenated copy
-beside them is what made the planner ~50% low at 128K.
+beside them was part of why the planner was low at long L (bench/RESULTS.md, measured on CPU).
 
 Two tile sizes: `tile` for the post pass's VJP, the one pass that holds MLP activations and
 their cotangents, and `light_tile` (default: `tile`) for the passes that hold no MLP cotangents:
