@@ -249,6 +249,25 @@ def test_prefetch_is_bit_exact(monkeypatch):
         assert mx.array_equal(a, b), k
 
 
+def test_shared_traces_match_mlx_lm(monkeypatch):
+    """Compiled tile functions shared by the layers of one structure (weights as inputs) give
+    mlx-lm's gradients, with fewer traces than layers, and leave every layer its own weights."""
+    from segback.engine import tiled
+
+    monkeypatch.setattr(tiled, "SHARE_TRACES", True)
+    monkeypatch.setattr(tiled, "_SHARED", {})
+    model = lora_model("tiny-e4b")
+    batch, lengths = batch_of(model.args.vocab_size, T=70)
+    (l0, _), g0 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    before = [dict(tree_flatten(layer.parameters())) for layer in model.layers]
+    (l1, _), g1 = value_and_grad(model, batch, lengths, 1, tile=23, compile=True)
+    for layer, old in zip(model.layers, before):  # the template's weights are put back
+        assert all(v is old[k] for k, v in tree_flatten(layer.parameters()))
+    assert abs(float(l1) - float(l0)) <= TOL * abs(float(l0))
+    assert_as_exact_as_mlx_lm(model, g0, g1, batch, lengths)
+    assert 0 < len({id(f) for f in tiled._SHARED.values()}) < len(model.layers)
+
+
 def test_light_tile_and_keep_need_their_engine():
     model = lora_model("tiny-llama", num_layers=2)
     batch, lengths = batch_of(model.args.vocab_size, T=20)

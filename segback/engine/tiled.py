@@ -85,10 +85,11 @@ class TileFns:
 
     Inputs are the tile's hidden rows, its RoPE offset (an array, so all tiles share a trace),
     the attention rows or cotangents, the per-layer input, the donor K/V (sharers), the layer's
-    trainable leaves and (compiled) its frozen ones. Compiled, one TileFns serves every layer of
-    the same structure (`structure`): it runs its template layer (`index`) with the calling
-    layer's weights bound in, so 42 e4b layers trace 3 kinds, not 42. Eager, frozen weights are
-    read from the layer itself and each layer has its own.
+    trainable leaves and (shared traces) its frozen ones. Shared (`SHARE_TRACES`, compiled
+    only), one TileFns serves every layer of the same structure (`structure`): it runs its
+    template layer (`index`) with the calling layer's weights bound in, so 42 e4b layers trace 3
+    kinds, not 42. Otherwise frozen weights are read from the layer itself (constants of a
+    trace) and each layer has its own.
     """
 
     def __init__(self, stack: Stack, index: int, mask: MaskSpec, keys: list[str],
@@ -208,6 +209,10 @@ def _fns_of(layer: nn.Module) -> dict:
 
 
 # Compiled tile functions shared by layers of one structure: (LayerCall key, structure) -> them.
+# Off by default until measured where it should matter: fewer traces would cut CUDA's JIT of a
+# compiled first step (not measured yet). On CPU it measured neither faster nor smaller beyond
+# run-to-run noise (tiny-e4b at 16K, tile 1024: peaks of 0.69 or 0.80 GB either way).
+SHARE_TRACES = False
 _SHARED: dict[tuple, TileFns] = {}
 
 
@@ -258,9 +263,9 @@ class LayerCall:
         layer = self.stack.layers[self.index]
         per_module = _fns_of(layer)
         if key not in per_module:
-            per_module[key] = _shared_fns(self, key, layer) if compile else TileFns(
-                self.stack, self.index, self.mask, self.keys, self.owns_kv,
-                self.per_layer is not None, self.pli_grad, False)
+            per_module[key] = _shared_fns(self, key, layer) if compile and SHARE_TRACES \
+                else TileFns(self.stack, self.index, self.mask, self.keys, self.owns_kv,
+                             self.per_layer is not None, self.pli_grad, compile)
         self.fns: TileFns = per_module[key]
         if self.fns.frozen_keys:
             flat = dict(tree_flatten(layer.parameters()))
