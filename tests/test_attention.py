@@ -82,6 +82,9 @@ def test_rows_read_any_range_of_their_pieces(axis):
     lead = (slice(None),) * axis
     for a, b in [(0, 16), (0, 5), (4, 6), (5, 6), (6, 13), (2, 15), (15, 16)]:
         assert mx.array_equal(rows(a, b), whole[lead + (slice(a, b),)]), (a, b)
+    rows.release(7)  # pieces [0, 5) and [5, 6) go; [6, 13) is still partly unread
+    assert rows.pieces[0] is None and rows.pieces[1] is None and rows.pieces[2] is not None
+    assert mx.array_equal(rows(6, 16), whole[lead + (slice(6, 16),)])
 
 
 def test_backward_on_rows_equals_backward_on_arrays():

@@ -175,9 +175,9 @@ def _add_rows(acc: mx.array, update: mx.array, start: int) -> mx.array:
 
 
 class Rows:
-    """A [B, H, L, D] array kept as the pieces it was computed in (along L), read a row range at
-    a time: the tiled engine's dO and dQ never exist as one concatenated copy beside their
-    pieces (at e4b's global layers that copy is 8 KB a token, 1 GB at 128K)."""
+    """An array kept as the pieces it was computed in (along `axis`, the sequence), read a row
+    range at a time: the tiled engine's dO, dQ and dh never exist as one concatenated copy
+    beside their pieces (at e4b's global layers that copy is 8 KB a token, 1 GB at 128K)."""
 
     def __init__(self, pieces: Sequence[mx.array], axis: int = 2):
         self.pieces, self.axis = list(pieces), axis
@@ -190,9 +190,15 @@ class Rows:
         parts = []
         lead = (slice(None),) * self.axis
         for x, s0, s1 in zip(self.pieces, self.starts, self.starts[1:]):
-            if s1 > a and s0 < b:
+            if s1 > a and s0 < b:  # a released piece is never asked for again
                 parts.append(x[lead + (slice(max(a, s0) - s0, min(b, s1) - s0),)])
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=self.axis)
+
+    def release(self, b: int) -> None:
+        """Let go of the pieces wholly before row `b` (a reader done with them frees them)."""
+        for j, s1 in enumerate(self.starts[1:]):
+            if s1 <= b:
+                self.pieces[j] = None
 
 
 def _rows(x: mx.array | Rows, q0: int, q1: int, Hkv: int) -> mx.array:

@@ -442,6 +442,8 @@ def layer_vjp(
         )
         grads = [g + d for g, d in zip(grads, rest)]
         dh_in.append(dh_post(t0, t1) + dh_t)
+        dh_post.release(t1)  # as the tiles are read, their pieces go: dh is held once, not twice
+        dq.release(t1)
         flight.push(dh_in[-1], grads)
     flight.drain()
     del dq, dk, dv, dh_post
