@@ -888,17 +888,10 @@ def plan_segments(
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
-    from segback.engine.segmented import tiling_options
+    from segback.engine.segmented import check_tiling_extras, tiling_options
 
     tile, offload = tiling_options(tile, offload)
-    if light_tile is not None and (type(light_tile) is not int or light_tile < 1 or not tile):
-        raise ValueError(f"light_tile must be a positive number of tokens with a tile, "
-                         f"not {light_tile!r}")
-    if offload_keep != "auto" and (type(offload_keep) is not int or offload_keep < 0):
-        raise ValueError(f"offload_keep must be a number of segments >= 0 or 'auto', "
-                         f"not {offload_keep!r}")
-    if offload_keep and not offload:
-        raise ValueError("offload_keep needs offload (boundaries kept out of the host)")
+    check_tiling_extras(tile, offload, light_tile, offload_keep)
     configs = tile_configs(seq_len, attention, tile, offload)
     if calibrate and _is_lazy_random(model_or_config):  # measuring needs real weights
         from segback.models.geometry import build_model, geometry_config

@@ -72,6 +72,21 @@ def tiling_options(tile: Any, offload: Any) -> tuple[int | str | None, bool | st
     return tile, offload
 
 
+def check_tiling_extras(tile: Any, offload: Any, light_tile: Any, offload_keep: Any) -> None:
+    """`light_tile` and `offload_keep` make sense with this `tile` and `offload`
+    (`offload_keep` may be "auto" for the planner); a clear error otherwise."""
+    if light_tile is not None and not tile:
+        raise ValueError("light_tile needs a tile size (tile=...): it is part of the tiled engine")
+    if light_tile is not None and not (type(light_tile) is int and light_tile >= 1):
+        raise ValueError(f"light_tile must be a positive number of tokens, not {light_tile!r}")
+    if offload_keep != "auto" and not (type(offload_keep) is int and offload_keep >= 0):
+        raise ValueError(f"offload_keep must be a number of segments >= 0 or 'auto', "
+                         f"not {offload_keep!r}")
+    if offload_keep and not offload:
+        raise ValueError(f"offload_keep={offload_keep}: the number of last segments whose "
+                         "boundaries stay on the device needs offload=True")
+
+
 def engine_options(plan: Any, attention: str = "fused", tile: int | None = None,
                    offload: bool = False, light_tile: int | None = None,
                    offload_keep: int = 0) -> dict[str, Any]:
@@ -163,13 +178,7 @@ def value_and_grad(
         raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
     if offload and not tile:
         raise ValueError("offload needs a tile size (tile=...): it is part of the tiled engine")
-    if light_tile is not None and not tile:
-        raise ValueError("light_tile needs a tile size (tile=...): it is part of the tiled engine")
-    if light_tile is not None and not (type(light_tile) is int and light_tile >= 1):
-        raise ValueError(f"light_tile must be a positive number of tokens, not {light_tile!r}")
-    if offload_keep < 0 or (offload_keep and not offload):
-        raise ValueError(f"offload_keep={offload_keep}: the number of last segments whose "
-                         "boundaries stay on the device needs offload=True and must be >= 0")
+    check_tiling_extras(tile, offload, light_tile, offload_keep)
     stack = get_stack(model)
     if attention == "chunked" or tile:
         from segback.engine.attention import use_chunked_attention
