@@ -2,7 +2,7 @@
 # The H200 table of bench/RESULTS.md: e4b geometry (random weights, 4-bit, LoRA rank 8 on every
 # linear of all 42 layers), mlx-lm full / per-layer checkpoint vs segback segmented.
 # Usage on the GPU machine (after step 1 of ../shared/device/README.md):
-#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2..tiled9} OUT_DIR
+#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2..tiled9|tiled10a|tiled10b} OUT_DIR
 set -u
 part=$1; out=$2
 B="python3 -m segback.cli bench --model e4b --quant-bits 4 --out $out/bench.jsonl"
@@ -91,6 +91,20 @@ elif [ "$part" = tiled9 ]; then
   $B --seq 8191 --steps 5 --modes ckpt --timeout 90
   $B --seq 32768 --steps 1 $T --tile 2048 --timeout 120
   $B --seq 131072 --steps 0 $T --tile 1024 --timeout 330
+elif [ "$part" = tiled10a ]; then
+  # tiled9's 8K (eager; the first process JIT-builds the kernels), then the same with compiled
+  # tile functions shared by the layers of one structure (12 traces, not 168).
+  T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2 --tile 2048"
+  $B --seq 8192 --steps 5 $T --timeout 230
+  $B --seq 8192 --steps 5 $T --compile on --share-traces on --timeout 230
+elif [ "$part" = tiled10b ]; then
+  # ckpt on the same machine, then 32K and 128K with whichever of eager/compiled was faster.
+  T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2"
+  C=$(python3 -c "import json; r=[json.loads(l) for l in open('$out/bench.jsonl')][-2:]; \
+t=[x.get('s_per_step', 1e9) for x in r]; print('--compile on --share-traces on' if t[1] < t[0] else '')")
+  $B --seq 8191 --steps 5 --modes ckpt --timeout 80
+  $B --seq 32768 --steps 1 $T --tile 2048 $C --timeout 120
+  $B --seq 131072 --steps 0 $T --tile 1024 $C --timeout 320
 elif [ "$part" = tiled8 ]; then
   T="--modes segmented --max-ops-per-buffer 4 --offload"
   $B --seq 131072 --steps 0 $T --tile 1024 --light-tile 4096 --in-flight 2 --timeout 400

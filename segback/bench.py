@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "stream; default: segback.engine.offload.PREFETCH")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="mx.compile the tile functions (with --tile); auto: on the CPU only")
+    p.add_argument("--share-traces", default=None, choices=["on", "off"],
+                   help="with --compile on: layers of one structure share compiled tile "
+                   "functions; default: segback.engine.tiled.SHARE_TRACES")
     p.add_argument("--in-flight", type=int, default=None, choices=[1, 2],
                    help="tiles in flight (with --tile); default: segback.engine.tiled.IN_FLIGHT")
     p.add_argument("--prompt-frac", type=float, default=0.0,
@@ -125,6 +128,8 @@ def run_worker(args) -> dict:
 
         if args.in_flight:
             tiled.IN_FLIGHT = args.in_flight
+        if args.share_traces:
+            tiled.SHARE_TRACES = args.share_traces == "on"
         if args.prefetch:  # before planning: the planner counts a prefetched boundary
             offload.PREFETCH = args.prefetch == "on"
         plan = _segments(args, model)
@@ -139,6 +144,7 @@ def run_worker(args) -> dict:
         compile_tiles = {"on": True, "off": False}.get(args.compile, compile_by_default())
         row.update(tile=args.tile, light_tile=args.light_tile, offload=args.offload,
                    offload_keep=keep, compile=compile_tiles, in_flight=tiled.IN_FLIGHT,
+                   share_traces=tiled.SHARE_TRACES if compile_tiles else None,
                    prefetch=offload.PREFETCH if args.offload else None)
         stats: dict = {}
 
