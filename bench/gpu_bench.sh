@@ -105,6 +105,14 @@ t=[x.get('s_per_step', 1e9) for x in r]; print('--compile on --share-traces on' 
   $B --seq 8191 --steps 5 --modes ckpt --timeout 80
   $B --seq 32768 --steps 1 $T --tile 2048 $C --timeout 120
   $B --seq 131072 --steps 0 $T --tile 1024 $C --timeout 320
+elif [ "$part" = tiled11 ]; then
+  # Compiled shared tile functions (tiled10's faster path) with the 8K options that cost little
+  # device memory: light tiles, a 3072-token tile, early copies back.
+  T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2 --compile on --share-traces on"
+  $B --seq 8192 --steps 5 $T --tile 2048 --timeout 200
+  $B --seq 8192 --steps 5 $T --tile 2048 --light-tile 4096 --timeout 110
+  $B --seq 8192 --steps 5 $T --tile 3072 --timeout 110
+  $B --seq 8192 --steps 5 $T --tile 2048 --prefetch on --timeout 100
 elif [ "$part" = tiled8 ]; then
   T="--modes segmented --max-ops-per-buffer 4 --offload"
   $B --seq 131072 --steps 0 $T --tile 1024 --light-tile 4096 --in-flight 2 --timeout 400

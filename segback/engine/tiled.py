@@ -209,9 +209,10 @@ def _fns_of(layer: nn.Module) -> dict:
 
 
 # Compiled tile functions shared by layers of one structure: (LayerCall key, structure) -> them.
-# Off by default until measured where it should matter: fewer traces would cut CUDA's JIT of a
-# compiled first step (not measured yet). On CPU it measured neither faster nor smaller beyond
-# run-to-run noise (tiny-e4b at 16K, tile 1024: peaks of 0.69 or 0.80 GB either way).
+# On the H200 (e4b 8K, tile 2048) compiled + shared was 6% faster than eager in steady state
+# (6.15 against 6.53 s a step), but a fresh machine's first step still JIT-builds for minutes, so
+# CUDA stays eager and this stays off by default (`segback bench --compile on --share-traces on`).
+# On CPU it measured neither faster nor smaller beyond run-to-run noise.
 SHARE_TRACES = False
 _SHARED: dict[tuple, TileFns] = {}
 
