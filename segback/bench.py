@@ -158,6 +158,10 @@ def run_worker(args) -> dict:
             grad_checkpoint(model.layers[0])
         vg = nn.value_and_grad(model, default_loss)
 
+    if mode == "segmented" and args.offload:  # what the engine's first call would do
+        from segback.engine.host_table import park_tables
+
+        row["host_table_gb"] = round(park_tables(model) / 1024**3, 3)
     mx.clear_cache()
     row["resting_gb"] = round(memory_stats()["active_gb"], 3)
     times, peaks = [], []

@@ -3,7 +3,8 @@
 Peak memory of one training step (segback.engine.value_and_grad + AdamW) is modelled as a
 sequence of events, each adding its transient to what is alive at that moment:
 
-    resting   = weights + LoRA params, grads and AdamW state (float32, 2x)
+    resting   = weights + LoRA params, grads and AdamW state (float32, 2x); with offload
+                less Gemma-4's per-layer embedding table (host memory)
     constants = per-layer inputs (Gemma-4) + materialized [L, L] masks + saved donor K/V
     embed     = prologue: building h0 and the per-layer inputs
     head      = every hidden boundary + the final hidden + dh + one chunk of logits
@@ -36,6 +37,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from segback.engine import offload as offload_module
+from segback.engine.host_table import table_bytes
 from segback.engine.offload import MAX_PENDING
 
 GB = 1024**3  # as segback.engine.memory
@@ -110,6 +112,7 @@ class Geometry:
     weight_bytes: int
     lora_params: int
     quant_bits: list[int] = field(default_factory=list)
+    table_bytes: int = 0  # of weight_bytes: the per-layer embedding table offload parks
 
     @property
     def num_layers(self) -> int:
@@ -278,6 +281,7 @@ def read_geometry(
         weight_bytes=all_bytes,
         lora_params=lora_total,
         quant_bits=sorted(set(bits_seen)),
+        table_bytes=table_bytes(model),
     )
 
 
@@ -509,16 +513,19 @@ class CostModel:
         return n_segments if not self.offload else min(self.offload_keep, n_segments)
 
     def host_bytes(self, n_segments: int) -> float:
-        """Host memory of an offloaded step: one boundary per parked segment and the per-layer
-        inputs."""
+        """Host memory of an offloaded step: one boundary per parked segment, the per-layer
+        inputs and the per-layer embedding table."""
         if not self.offload:
             return 0.0
         parked = n_segments - self.kept(n_segments)
-        return float(parked * self.hidden_bytes + self.per_layer_input_bytes())
+        return float(parked * self.hidden_bytes + self.per_layer_input_bytes()
+                     + self.g.table_bytes)
 
     def resting(self) -> tuple[float, float]:
-        """(weights incl. LoRA factors, LoRA grads + AdamW's two float32 moments)."""
-        return float(self.g.weight_bytes), float(self.g.lora_params * 4 * 3)
+        """(weights incl. LoRA factors, LoRA grads + AdamW's two float32 moments); offload
+        keeps the per-layer embedding table in host memory."""
+        weights = self.g.weight_bytes - (self.g.table_bytes if self.offload else 0)
+        return float(weights), float(self.g.lora_params * 4 * 3)
 
     def saved_donors(self, segments: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
         """Donor -> indices of later segments that read its saved K/V (tiled: every donor's K/V

@@ -8,6 +8,7 @@ from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from segback.engine import resolve_segments, value_and_grad
+from segback.engine.host_table import park_tables, parked_bytes, table_bytes
 from segback.models.geometry import build_model, geometry_config, wrap_multimodal
 from segback.models.stack import get_stack
 
@@ -225,7 +226,9 @@ def test_light_tiles_and_kept_boundaries_match_mlx_lm(name, tile, light_tile, ke
     a = model.args
     per_layer = getattr(a, "hidden_size_per_layer_input", 0) * a.num_hidden_layers
     parked = (a.num_hidden_layers - keep) * a.hidden_size + per_layer
-    assert stats["host_gb"] == pytest.approx(2 * 69 * parked * 4 / 1024**3)
+    table = parked_bytes(model)  # Gemma-4's per-layer embedding table, parked for good
+    assert (table > 0) == (name == "tiny-e4b")
+    assert stats["host_gb"] == pytest.approx((2 * 69 * parked * 4 + table) / 1024**3)
 
 
 def test_prefetch_is_bit_exact(monkeypatch):
@@ -299,7 +302,8 @@ def test_offload_host_bytes_and_needs_tile():
     stats = {}
     value_and_grad(model, batch, lengths, 4, tile=32, offload=True, stats=stats)
     per_token = 3 * a.hidden_size + a.num_hidden_layers * a.hidden_size_per_layer_input
-    assert stats["host_gb"] == pytest.approx(64 * per_token * 4 / 1024**3)
+    table = a.vocab_size_per_layer_input * a.num_hidden_layers * a.hidden_size_per_layer_input
+    assert stats["host_gb"] == pytest.approx((64 * per_token + table) * 4 / 1024**3)
     with pytest.raises(ValueError, match="needs a tile"):
         value_and_grad(model, batch, lengths, 4, offload=True)
 
@@ -380,3 +384,30 @@ def test_tiled_with_lora_dropout_runs_uncompiled(light_tile):
     model.update(theta)
     fd = (float(plus) - float(minus)) / (2 * eps)
     assert fd == pytest.approx(float(norm), rel=2e-2)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_host_table_is_bit_exact_and_leaves_the_parameters(bits, dtype):
+    """Gemma-4's per-layer embedding table parked in host memory gives the same rows, bit for
+    bit (quantized: gathered on the host, dequantized on the device), and leaves the model's
+    parameters; a trainable table stays where it is."""
+    model = build_model("tiny-e4b", dtype=dtype, quantize_bits=bits, group_size=32)
+    model.freeze()
+    table = model.model.embed_tokens_per_layer
+    assert isinstance(table, nn.QuantizedEmbedding) == bool(bits)
+    ids = mx.random.randint(0, model.args.vocab_size_per_layer_input, (2, 33))
+    before = table(ids)
+    size = table_bytes(model)
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert size == sum(v.nbytes for _, v in tree_flatten(table.parameters())) > 0
+    assert park_tables(model) == size == parked_bytes(model)
+    assert table_bytes(model) == 0 and park_tables(model) == 0  # once
+    assert total - sum(v.nbytes for _, v in tree_flatten(model.parameters())) == size
+    after = model.model.embed_tokens_per_layer(ids)
+    assert after.dtype == before.dtype and mx.array_equal(after, before).item()
+
+    trainable = build_model("tiny-e4b", dtype=dtype)
+    trainable.freeze()
+    trainable.model.embed_tokens_per_layer.unfreeze()
+    assert park_tables(trainable) == 0 and table_bytes(trainable) > 0

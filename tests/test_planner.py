@@ -222,6 +222,10 @@ def test_tiling_plans_long_context_e4b_under_the_untiled_floor():
     tiled = plan_segments("e4b", 131072, quant_bits=4, tile=1024, offload=True)
     assert untiled["predicted_peak_gb"] > 60 and tiled["predicted_peak_gb"] < 24
     assert tiled["predicted_host_gb"] > 1 and untiled["predicted_host_gb"] == 0
+    # Offload keeps the per-layer embedding table (4-bit: 1.59 GB) in host memory.
+    on_device = plan_segments("e4b", 131072, quant_bits=4, tile=1024, offload=False)
+    moved = on_device["breakdown"]["weights"] - tiled["breakdown"]["weights"]
+    assert moved * GB == 262144 * 42 * 256 * (4 / 8 + 2 * 2 / 64)
     assert tiled["predicted_relative_step_time"] > untiled["predicted_relative_step_time"]
     validate(tiled)
     auto = plan_segments("e4b", 131072, quant_bits=4, tile="auto", offload="auto", target_gb=24)

@@ -162,8 +162,10 @@ def value_and_grad(
     token-wise parts a tile at a time, forward and backward (implies chunked attention);
     `offload` parks boundaries and per-layer inputs in host memory (with `tile`), except the
     boundaries of the last `offload_keep` segments, which stay on the device (they are the first
-    the backward needs: no copy either way). `light_tile` (default `tile`) is the tile of the
-    passes that hold no MLP cotangents (segback.engine.tiled). A plan's own "attention", "tile",
+    the backward needs: no copy either way); on its first call it also moves a frozen Gemma-4
+    per-layer embedding table to host memory for good (segback.engine.host_table).
+    `light_tile` (default `tile`) is the tile of the passes that hold no MLP cotangents
+    (segback.engine.tiled). A plan's own "attention", "tile",
     "offload", "light_tile" and "offload_keep" win. `stats`, if given, receives "host_gb". `compile`
     traces each tiled layer's tile functions once (`mx.compile`; skipped with LoRA dropout);
     None compiles on the CPU only: on CUDA the first compiled step JIT-builds every trace's
@@ -318,10 +320,13 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     A segment [a, b) keeps only its input boundary; its backward recomputes the boundaries
     inside it, then walks its layers in reverse, each layer's VJP tile by tile.
     """
+    from segback.engine.host_table import park_tables, parked_bytes
     from segback.engine.offload import HostStore
     from segback.engine.tiled import LayerCall, layer_forward, layer_vjp
     from segback.engine.tiled import tiles as token_tiles
 
+    if offload:  # once per model: later calls find the table parked already
+        park_tables(model)
     segs = resolve_segments(segments, stack.num_layers)
     per_layer, outer = _split_trainable(model, stack)
     lengths_np = np.array(lengths).reshape(-1, 2)
@@ -449,7 +454,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
         bind_outer(outer_vals)
     mx.random.seed(seed)
     if stats is not None:
-        stats["host_gb"] = store.peak_host_bytes / 1024**3
+        stats["host_gb"] = (store.peak_host_bytes + parked_bytes(model)) / 1024**3
 
     grads = tree_map_with_path(lambda path, _: grads_flat[path], model.trainable_parameters())
     return (loss, ntoks), grads
