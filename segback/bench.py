@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per tile of the light passes (with --tile; default: --tile)")
     p.add_argument("--offload-keep", default=None, type=lambda v: v if v == "auto" else int(v),
                    help="with --offload: the last N segments keep their boundary on the device; "
-                   "auto: as many as --target-gb allows (planner)")
+                   "auto (the default with --segments auto): as many as --target-gb allows")
     p.add_argument("--prefetch", default=None, choices=["on", "off"],
                    help="with --offload: fetch parked arrays back a layer early on a side "
                    "stream; default: segback.engine.offload.PREFETCH")
@@ -89,7 +89,7 @@ def _segments(args, model):
     return plan_segments(model, args.seq, args.batch, target_gb=args.target_gb,
                          attention=args.attention, lora_rank=args.lora_rank, tile=args.tile,
                          offload=args.offload, light_tile=args.light_tile,
-                         offload_keep=args.offload_keep or 0)
+                         offload_keep="auto" if args.offload_keep is None else args.offload_keep)
 
 
 def run_worker(args) -> dict:
@@ -144,7 +144,7 @@ def run_worker(args) -> dict:
         compile_tiles = {"on": True, "off": False}.get(args.compile, compile_by_default())
         row.update(tile=args.tile, light_tile=args.light_tile, offload=args.offload,
                    offload_keep=keep, compile=compile_tiles, in_flight=tiled.IN_FLIGHT,
-                   share_traces=tiled.SHARE_TRACES if compile_tiles else None,
+                   share_traces=tiled.share_traces() if compile_tiles else None,
                    prefetch=offload.PREFETCH if args.offload else None)
         stats: dict = {}
 

@@ -61,6 +61,7 @@ class TrainConfig:
     attention: str = "fused"  # for plans that do not say: "fused" | "chunked"
     tile: Any = None  # tokens per tile (sequence-tiled engine), "auto" (planner) or None
     offload: Any = False  # host-parked boundaries (with tile); "auto" lets the planner choose
+    compile: str = "auto"  # tiled engine's tile functions: "on" | "off" | "auto" (CPU only)
     seq: int = 2048
     iters: int = 100
     batch_size: int = 1
@@ -94,6 +95,9 @@ class TrainConfig:
         self.tile, self.offload = tiling_options(self.tile, self.offload)
         if self.attention not in ("fused", "chunked"):
             raise ValueError(f"attention must be 'fused' or 'chunked', not {self.attention!r}")
+        self.compile = {True: "on", False: "off"}.get(self.compile, self.compile)  # YAML bools
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be 'auto', 'on' or 'off', not {self.compile!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -378,6 +382,7 @@ def train(
     simulate a kill).
     """
     from segback.engine import memory_stats, reset_peak, value_and_grad
+    from segback.engine.segmented import compile_by_default
 
     cfg = TrainConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
     if cfg.iters < 1 or cfg.batch_size < 1 or cfg.grad_accum < 1:
@@ -396,6 +401,8 @@ def train(
     model.train()
     segments, engine = resolve_plan(cfg.plan, model, cfg.seq, cfg.batch_size, cfg.lora_rank,
                                     cfg.num_layers, cfg.attention, cfg.tile, cfg.offload)
+    engine["compile"] = {"auto": None, "on": True, "off": False}[cfg.compile]
+    compiled = compile_by_default() if engine["compile"] is None else engine["compile"]
     schedule = build_schedule(cfg)
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
 
@@ -430,6 +437,8 @@ def train(
     print(f"segback: {n_trainable / 1e6:.3f}M trainable parameters, {len(segments)} segments "
           f"{segments}, {engine['attention']} attention"
           + (f", tiles of {engine['tile']} tokens" if engine["tile"] else "")
+          + ((", compiled" if compiled else ", eager") + " tile functions" if engine["tile"]
+             else "")
           + (f" ({engine['light_tile']} in the light passes)" if engine.get("light_tile") else "")
           + (", boundaries in host memory" if engine["offload"] else "")
           + (f" but the last {engine['offload_keep']}" if engine.get("offload_keep") else "")
@@ -584,6 +593,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or 'auto' (with --plan auto) to let the planner choose")
     p.add_argument("--offload", default=S, choices=["true", "false", "auto"],
                    help="park boundaries and per-layer inputs in host memory (with --tile)")
+    p.add_argument("--compile", default=S, choices=["auto", "on", "off"],
+                   help="mx.compile the tiled engine's tile functions; auto: on the CPU only "
+                   "(on CUDA compiled is faster per step but its first step JIT-builds for "
+                   "minutes)")
     p.add_argument("--seq", type=int, default=S, help=f"max tokens per example ({d.seq})")
     p.add_argument("--iters", type=int, default=S, help=f"optimizer steps ({d.iters})")
     p.add_argument("--batch-size", type=int, default=S, help=f"examples per micro-batch "

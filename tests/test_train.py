@@ -327,6 +327,8 @@ def test_plan_engine_options_reach_the_engine(tmp_path):
         resolve_plan("2", model, 64, 1, tile="auto")
     with pytest.raises(ValueError, match="tile must be"):
         trainer.TrainConfig(tile="big")
+    with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off'"):
+        trainer.TrainConfig(compile="fast")
 
 
 def test_tiled_training_matches_untiled(tmp_path, capsys):
@@ -334,13 +336,17 @@ def test_tiled_training_matches_untiled(tmp_path, capsys):
     up to what Adam (lr 1e-2, each step moves an entry up to 1e-2) makes of rounding."""
     tok, rows = ByteTokenizer(), chat_rows(4)
     runs = {}
-    for name, kw in [("plain", {}), ("tiled", dict(tile="16", offload="true"))]:
+    for name, kw in [("plain", {}), ("tiled", dict(tile="16", offload="true")),
+                     ("eager", dict(tile="16", offload="true", compile="off"))]:
         cfg = small_cfg(tmp_path / name, lora_dropout=0.0, iters=3, grad_accum=1, **kw)
         trainer.train(build_model("tiny-llama"), tok, rows, None, cfg)
         log = (tmp_path / name / "train_log.jsonl").read_text().splitlines()
         runs[name] = [json.loads(x)["loss"] for x in log]
-    assert "tiles of 16 tokens, boundaries in host memory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "tiles of 16 tokens, compiled tile functions, boundaries in host memory" in err
+    assert "tiles of 16 tokens, eager tile functions" in err
     assert runs["plain"] == pytest.approx(runs["tiled"], rel=1e-4)
+    assert runs["plain"] == pytest.approx(runs["eager"], rel=1e-4)  # --compile off
     a = mx.load(str(tmp_path / "plain/adapters.safetensors"))
     b = mx.load(str(tmp_path / "tiled/adapters.safetensors"))
     for k in a:

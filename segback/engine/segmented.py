@@ -82,7 +82,7 @@ def check_tiling_extras(tile: Any, offload: Any, light_tile: Any, offload_keep: 
     if offload_keep != "auto" and not (type(offload_keep) is int and offload_keep >= 0):
         raise ValueError(f"offload_keep must be a number of segments >= 0 or 'auto', "
                          f"not {offload_keep!r}")
-    if offload_keep and not offload:
+    if offload_keep not in (0, "auto") and not offload:
         raise ValueError(f"offload_keep={offload_keep}: the number of last segments whose "
                          "boundaries stay on the device needs offload=True")
 

@@ -209,12 +209,18 @@ def _fns_of(layer: nn.Module) -> dict:
 
 
 # Compiled tile functions shared by layers of one structure: (LayerCall key, structure) -> them.
-# On the H200 (e4b 8K, tile 2048) compiled + shared was 6% faster than eager in steady state
-# (6.15 against 6.53 s a step), but a fresh machine's first step still JIT-builds for minutes, so
-# CUDA stays eager and this stays off by default (`segback bench --compile on --share-traces on`).
-# On CPU it measured neither faster nor smaller beyond run-to-run noise.
-SHARE_TRACES = False
+# None: shared on the GPU only. On the H200 (e4b 8K, tile 2048) sharing cut the traces a CUDA
+# first step JIT-builds from 168 to 12, and compiled + shared was 6-13% faster than eager in
+# steady state (4.89 against 5.59 s a step with kept boundaries); CUDA still runs eager unless
+# asked (`compile=True`): a fresh machine's first compiled step JIT-builds for ~2.5 minutes.
+# On CPU sharing measured neither faster nor smaller beyond run-to-run noise.
+SHARE_TRACES: bool | None = None
 _SHARED: dict[tuple, TileFns] = {}
+
+
+def share_traces() -> bool:
+    """Whether compiled tile functions are shared (SHARE_TRACES; None: on the GPU only)."""
+    return mx.default_device() == mx.gpu if SHARE_TRACES is None else SHARE_TRACES
 
 
 def _shared_fns(call: LayerCall, key: tuple, layer: nn.Module) -> TileFns:
@@ -264,7 +270,7 @@ class LayerCall:
         layer = self.stack.layers[self.index]
         per_module = _fns_of(layer)
         if key not in per_module:
-            per_module[key] = _shared_fns(self, key, layer) if compile and SHARE_TRACES \
+            per_module[key] = _shared_fns(self, key, layer) if compile and share_traces() \
                 else TileFns(self.stack, self.index, self.mask, self.keys, self.owns_kv,
                              self.per_layer is not None, self.pli_grad, compile)
         self.fns: TileFns = per_module[key]
