@@ -2,7 +2,7 @@
 # The H200 table of bench/RESULTS.md: e4b geometry (random weights, 4-bit, LoRA rank 8 on every
 # linear of all 42 layers), mlx-lm full / per-layer checkpoint vs segback segmented.
 # Usage on the GPU machine (after step 1 of ../shared/device/README.md):
-#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2..tiled12b} OUT_DIR
+#   source .devwheels/install-mlx-cuda.sh && bash bench/gpu_bench.sh {table|long|tiled|tiled2..tiled13} OUT_DIR
 set -u
 part=$1; out=$2
 B="python3 -m segback.cli bench --model e4b --quant-bits 4 --out $out/bench.jsonl"
@@ -129,6 +129,15 @@ elif [ "$part" = tiled12b ]; then
   $B --seq 8192 --steps 5 $T --tile 3072 --timeout 120
   $B --seq 8192 --steps 5 $T --tile 4096 --light-tile 8192 --timeout 120
   $B --seq 32768 --steps 1 $T --tile 2048 --timeout 120
+elif [ "$part" = tiled13 ]; then
+  # The defaults a user gets (traces shared on the GPU, offload_keep auto) with only a target
+  # and --compile on; then kept boundaries at 16K/32K under targets with room for the planner's gap.
+  T="--modes segmented --max-ops-per-buffer 4 --offload --in-flight 2 --compile on"
+  $B --seq 4096 --steps 0 $T --tile 2048 --timeout 300
+  $B --seq 8191 --steps 5 --modes ckpt --timeout 100
+  $B --seq 8192 --steps 5 $T --tile 2048 --target-gb 7.6 --timeout 100
+  $B --seq 16384 --steps 2 $T --tile 2048 --target-gb 8 --timeout 100
+  $B --seq 32768 --steps 1 $T --tile 2048 --target-gb 10.5 --timeout 120
 elif [ "$part" = tiled8 ]; then
   T="--modes segmented --max-ops-per-buffer 4 --offload"
   $B --seq 131072 --steps 0 $T --tile 1024 --light-tile 4096 --in-flight 2 --timeout 400

@@ -62,6 +62,7 @@ class TrainConfig:
     tile: Any = None  # tokens per tile (sequence-tiled engine), "auto" (planner) or None
     offload: Any = False  # host-parked boundaries (with tile); "auto" lets the planner choose
     compile: str = "auto"  # tiled engine's tile functions: "on" | "off" | "auto" (CPU only)
+    target_gb: float | None = None  # --plan auto: the planner's memory target (None: min peak)
     seq: int = 2048
     iters: int = 100
     batch_size: int = 1
@@ -98,6 +99,9 @@ class TrainConfig:
         self.compile = {True: "on", False: "off"}.get(self.compile, self.compile)  # YAML bools
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be 'auto', 'on' or 'off', not {self.compile!r}")
+        gb = self.target_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or gb <= 0):
+            raise ValueError(f"target_gb must be a number of GB > 0, not {self.target_gb!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -170,27 +174,34 @@ def _lora_parameters(cfg: TrainConfig) -> dict:
 
 def resolve_plan(plan: Any, model: nn.Module, seq: int, batch_size: int, lora_rank: int = 8,
                  num_layers: int = -1, attention: str = "fused", tile: Any = None,
-                 offload: Any = False) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+                 offload: Any = False, target_gb: float | None = None,
+                 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
     """Segments and the engine options (attention, tile, offload, light_tile, offload_keep) a
     plan was made for; the arguments fill in what a plan does not say (`--plan auto` passes them
     to the planner)."""
     from segback.engine import resolve_segments
     from segback.engine.segmented import engine_options
 
+    if plan not in (None, "auto"):
+        if tile == "auto" or offload == "auto":
+            raise ValueError("tile/offload 'auto' needs --plan auto (the planner chooses them)")
+        if target_gb is not None:
+            raise ValueError(f"--target-gb {target_gb} needs --plan auto (a given plan has its "
+                             "own target: make it with `segback plan --target-gb`)")
     if plan is None or plan == "auto":
         from segback.planner import plan_segments
 
         plan = plan_segments(model, seq, batch_size=batch_size, lora_rank=lora_rank,
                              lora_layers=None if num_layers < 0 else num_layers,
-                             attention=attention, tile=tile, offload=offload)
+                             attention=attention, tile=tile, offload=offload,
+                             target_gb=target_gb)
+        tile, offload = None, False  # the plan says what the planner chose (null: untiled)
     elif isinstance(plan, str) and re.fullmatch(r"\d+", plan):
         plan = int(plan)
     elif isinstance(plan, (str, Path)):
         if not Path(plan).is_file():
             raise ValueError(f"--plan {plan}: not 'auto', an integer or a plan JSON file")
         plan = read_json(plan)
-    if tile == "auto" or offload == "auto":
-        raise ValueError("tile/offload 'auto' needs --plan auto (the planner chooses them)")
     return resolve_segments(plan, len(model.layers)), engine_options(plan, attention, tile,
                                                                      bool(offload))
 
@@ -400,7 +411,8 @@ def train(
     attach_lora(model, cfg)
     model.train()
     segments, engine = resolve_plan(cfg.plan, model, cfg.seq, cfg.batch_size, cfg.lora_rank,
-                                    cfg.num_layers, cfg.attention, cfg.tile, cfg.offload)
+                                    cfg.num_layers, cfg.attention, cfg.tile, cfg.offload,
+                                    cfg.target_gb)
     engine["compile"] = {"auto": None, "on": True, "off": False}[cfg.compile]
     compiled = compile_by_default() if engine["compile"] is None else engine["compile"]
     schedule = build_schedule(cfg)
@@ -593,6 +605,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or 'auto' (with --plan auto) to let the planner choose")
     p.add_argument("--offload", default=S, choices=["true", "false", "auto"],
                    help="park boundaries and per-layer inputs in host memory (with --tile)")
+    p.add_argument("--target-gb", type=float, default=S,
+                   help="with --plan auto: the planner's memory target in GB (default: the "
+                   "plan of least peak memory); with --offload it also keeps as many boundaries "
+                   "on the device as the target allows")
     p.add_argument("--compile", default=S, choices=["auto", "on", "off"],
                    help="mx.compile the tiled engine's tile functions; auto: on the CPU only "
                    "(on CUDA compiled is faster per step but its first step JIT-builds for "

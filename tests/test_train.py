@@ -325,6 +325,19 @@ def test_plan_engine_options_reach_the_engine(tmp_path):
         tile=64, offload=True, light_tile=128, offload_keep=1)  # a plan's own tiling runs
     with pytest.raises(ValueError, match="needs --plan auto"):
         resolve_plan("2", model, 64, 1, tile="auto")
+    with pytest.raises(ValueError, match="--target-gb 1.0 needs --plan auto"):
+        resolve_plan(str(plan), model, 256, 1, target_gb=1.0)
+    # --plan auto: the planner's choice runs, untiled included; a target keeps boundaries on
+    # the device (offload_keep "auto"), none without one
+    auto = resolve_plan("auto", model, 256, 1, tile="auto", offload="auto")[1]
+    want = plan_segments(model, 256, tile="auto", offload="auto")
+    assert auto["tile"] == want["tile"] and auto["offload"] == bool(want["offload"])
+    assert resolve_plan("auto", model, 256, 1, tile=64, offload=True)[1]["offload_keep"] == 0
+    kept = resolve_plan("auto", model, 256, 1, tile=64, offload=True, target_gb=1.0)
+    assert kept == ([(0, 1), (1, 2), (2, 3), (3, 4)],
+                    untiled | dict(tile=64, offload=True, offload_keep=4))
+    with pytest.raises(ValueError, match="target_gb must be a number of GB > 0"):
+        trainer.TrainConfig(target_gb=0)
     with pytest.raises(ValueError, match="tile must be"):
         trainer.TrainConfig(tile="big")
     with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off'"):

@@ -169,7 +169,8 @@ def value_and_grad(
     "offload", "light_tile" and "offload_keep" win. `stats`, if given, receives "host_gb". `compile`
     traces each tiled layer's tile functions once (`mx.compile`; skipped with LoRA dropout);
     None compiles on the CPU only: on CUDA the first compiled step JIT-builds every trace's
-    kernels (measured on the H200, e4b at 8K: over 150 s, against 32 s eager).
+    kernels (measured on the H200, e4b at 8K: over 150 s, against 32 s eager), after which it
+    is 13% faster (4.89 against 5.60 s a step).
     """
     if compile is None:
         compile = compile_by_default()

@@ -63,6 +63,7 @@ rule train_lora:
         val_every=TRAIN["val_every"],
         save_every=TRAIN["save_every"],
         seed=TRAIN["seed"],
+        compile={True: "on", False: "off"}.get(TRAIN["compile"], TRAIN["compile"]),
     log:
         "results/logs/{model}/seq{seq}/train_lora.log",
     benchmark:
@@ -79,7 +80,7 @@ rule train_lora:
         " --warmup {params.warmup} --lora-rank {params.lora_rank}"
         " --lora-scale {params.lora_scale} --lora-dropout {params.lora_dropout}"
         " --num-layers {params.num_layers} --val-every {params.val_every}"
-        " --save-every {params.save_every} --seed {params.seed}"
+        " --save-every {params.save_every} --seed {params.seed} --compile {params.compile}"
         " --log {output.log} > {log} 2>&1"
 
 
