@@ -15,7 +15,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+from segback.engine import options as engine_options
+from segback.planner.cli import SEARCHED
 
 MODES = ("full", "ckpt", "segmented")
 
@@ -30,28 +31,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-layers", type=int, default=-1, help="-1 = all layers")
     p.add_argument("--quant-bits", type=int, default=None, help="quantize a random geometry")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--segments", default="auto", help="auto (planner), N per segment, or plan")
+    p.add_argument("--segments", default="auto",
+                   help="auto (the planner), N layers per segment, or a plan JSON file")
     p.add_argument("--target-gb", type=float, default=None, help="planner memory target")
-    p.add_argument("--attention", default="fused", choices=["fused", "chunked"])
-    p.add_argument("--tile", type=int, default=None,
-                   help="tokens per tile for the layers' token-wise parts (segmented only)")
-    p.add_argument("--offload", action="store_true",
-                   help="park boundaries and per-layer inputs in host memory (with --tile)")
-    p.add_argument("--light-tile", type=int, default=None,
-                   help="tokens per tile of the light passes (with --tile; default: --tile)")
-    p.add_argument("--offload-keep", default=None, type=lambda v: v if v == "auto" else int(v),
-                   help="with --offload: the last N segments keep their boundary on the device; "
-                   "auto (the default with --segments auto): as many as --target-gb allows")
-    p.add_argument("--prefetch", default=None, choices=["on", "off"],
-                   help="with --offload: fetch parked arrays back a layer early on a side "
-                   "stream; default: segback.engine.offload.PREFETCH")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="mx.compile the tile functions (with --tile); auto: on the CPU only")
-    p.add_argument("--share-traces", default=None, choices=["on", "off"],
-                   help="with --compile on: layers of one structure share compiled tile "
-                   "functions; default: segback.engine.tiled.SHARE_TRACES")
-    p.add_argument("--in-flight", type=int, default=None, choices=[1, 2],
-                   help="tiles in flight (with --tile); default: segback.engine.tiled.IN_FLIGHT")
+    search = p.add_argument_group("the planner's choices (with --segments auto)")
+    search.add_argument("--attention", default="fused", choices=["fused", "chunked"])
+    search.add_argument("--tile", default=None, help="tokens per tile, or auto")
+    search.add_argument("--offload", default="false", nargs="?", const="true", type=str.lower,
+                        choices=["true", "false", "auto"],
+                        help="park boundaries and per-layer inputs in host memory (with --tile)")
+    search.add_argument("--light-tile", default=None,
+                        help="tokens per tile of the light passes (default: --tile)")
+    search.add_argument("--boundaries-on-device", default="auto",
+                        help="with --offload: the last N segments keep their boundary on the "
+                        "device; auto: as many as --target-gb allows")
+    run = p.add_argument_group("how the engine runs (on top of the plan)")
+    engine_options.add_arguments(run, skip=SEARCHED)
     p.add_argument("--prompt-frac", type=float, default=0.0,
                    help="fraction of tokens masked out of the loss as prompt")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
@@ -77,19 +72,26 @@ def _load(args):
     return model, dtype
 
 
-def _segments(args, model):
-    from segback.engine.segmented import resolve_segments
+def _plan(args, model, runtime):
+    """The Plan this run uses: the planner's, a plan file's, or N layers per segment."""
+    from segback.engine import EngineOptions, Plan, segments_of
 
     if args.segments.isdigit():
-        return resolve_segments(int(args.segments), len(model.layers))
+        searched = {k: getattr(args, k) for k in SEARCHED if k != "boundaries_on_device"}
+        keep = args.boundaries_on_device
+        engine = EngineOptions.from_dict(runtime.to_dict() | searched
+                                         | {"boundaries_on_device": 0 if keep == "auto"
+                                            else keep})
+        return Plan(segments_of(int(args.segments), len(model.layers)), engine)
     if args.segments != "auto":
-        return json.loads(Path(args.segments).read_text())
+        return Plan.read(args.segments)
     from segback.planner import plan_segments
 
     return plan_segments(model, args.seq, args.batch, target_gb=args.target_gb,
                          attention=args.attention, lora_rank=args.lora_rank, tile=args.tile,
-                         offload=args.offload, light_tile=args.light_tile,
-                         offload_keep="auto" if args.offload_keep is None else args.offload_keep)
+                         offload=args.offload,
+                         light_tile=None if args.light_tile is None else int(args.light_tile),
+                         boundaries_on_device=args.boundaries_on_device, options=runtime)
 
 
 def run_worker(args) -> dict:
@@ -101,7 +103,6 @@ def run_worker(args) -> dict:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from segback.engine import memory_stats, reset_peak, value_and_grad
-    from segback.engine.segmented import compile_by_default
 
     mode = args.worker
     model, _ = _load(args)
@@ -124,41 +125,21 @@ def run_worker(args) -> dict:
             row[var.lower()] = int(os.environ[var])
 
     if mode == "segmented":
-        from segback.engine import offload, tiled
-
-        if args.in_flight:
-            tiled.IN_FLIGHT = args.in_flight
-        if args.share_traces:
-            tiled.SHARE_TRACES = args.share_traces == "on"
-        if args.prefetch:  # before planning: the planner counts a prefetched boundary
-            offload.PREFETCH = args.prefetch == "on"
-        plan = _segments(args, model)
-        keep = args.offload_keep if isinstance(args.offload_keep, int) else 0
-        if isinstance(plan, dict):
-            row["predicted_peak_gb"] = plan.get("predicted_peak_gb")
-            row["segments"] = plan["segments"]
-            keep = plan.get("offload_keep", keep)
-        else:
-            row["segments"] = plan
-        row["attention"] = "chunked" if args.tile else args.attention
-        compile_tiles = {"on": True, "off": False}.get(args.compile, compile_by_default())
-        row.update(tile=args.tile, light_tile=args.light_tile, offload=args.offload,
-                   offload_keep=keep, compile=compile_tiles, in_flight=tiled.IN_FLIGHT,
-                   share_traces=tiled.share_traces() if compile_tiles else None,
-                   prefetch=offload.PREFETCH if args.offload else None)
+        plan = _plan(args, model, engine_options.from_args(args, skip=SEARCHED))
+        opts = plan.engine.resolved()
+        row["predicted_peak_gb"] = plan.predicted_peak_gb or None
+        row["segments"] = [list(r) for r in plan.segments]
+        row.update(opts.to_dict())
         stats: dict = {}
 
         def vg(m, b, lens):
-            return value_and_grad(m, b, lens, row["segments"], attention=args.attention,
-                                  tile=args.tile, offload=args.offload, stats=stats,
-                                  compile=compile_tiles, light_tile=args.light_tile,
-                                  offload_keep=keep)
+            return value_and_grad(m, b, lens, plan, opts, stats=stats)
     else:
         if mode == "ckpt":
             grad_checkpoint(model.layers[0])
         vg = nn.value_and_grad(model, default_loss)
 
-    if mode == "segmented" and args.offload:  # what the engine's first call would do
+    if mode == "segmented" and opts.offload:  # what the engine's first call would do
         from segback.engine.host_table import park_tables
 
         row["host_table_gb"] = round(park_tables(model) / 1024**3, 3)
@@ -177,7 +158,7 @@ def run_worker(args) -> dict:
             row["loss"] = round(float(loss), 6)
         del grads
     sec = statistics.median(times[1:]) if len(times) > 1 else times[0]
-    if mode == "segmented" and args.offload:
+    if mode == "segmented" and opts.offload:
         row["host_gb"] = round(stats.get("host_gb", 0.0), 3)
     row.update(peak_gb=round(max(peaks), 3), s_per_step=round(sec, 4),
                first_step_s=round(times[0], 4),

@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "filter-data": ("segback.chunking.filter", "token-length filter with the model's tokenizer"),
     "generate": ("segback.chunking.generate", "generate chunkings for a test set"),
     "score": ("segback.chunking.scorer", "score predictions against gold chunks"),
-    "plan": ("segback.planner", "plan segments for a model, length and memory target"),
+    "plan": ("segback.planner.cli", "plan segments for a model, length and memory target"),
     "train": ("segback.train", "train a LoRA adapter with segmented backward"),
     "export": ("segback.export", "export an adapter (mlx-lm, PEFT, fused)"),
     "bench": ("segback.bench", "benchmark mlx-lm full/checkpoint vs segmented backward"),

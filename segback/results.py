@@ -3,7 +3,7 @@
 Reads the baseline and fine-tuned score summaries (`segback score`), the training summary
 (`segback train`'s adapter/train_summary.json), the segment plan (`segback plan`) and, when given,
 Snakemake benchmark files; writes `results/{model}_chunk_score.json` after validating it against
-`workflow/schemas/result.schema.json`, and optionally a small HTML score table for the report.
+`segback/result.schema.json`, and optionally a small HTML score table for the report.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from segback.io import atomic_write_json, atomic_write_text, read_json
 
 SCHEMA_VERSION = 1
-DEFAULT_SCHEMA = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "result.schema.json"
+DEFAULT_SCHEMA = Path(__file__).with_name("result.schema.json")  # package data
 
 # Scalar metrics of `segback score`, in table order. `n` is copied but has no delta.
 METRICS = (

@@ -7,10 +7,10 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from segback.engine import resolve_segments, value_and_grad
+from segback.engine import PlanError, segments_of, value_and_grad
 from segback.engine.host_table import park_tables, parked_bytes, table_bytes
 from segback.models.geometry import build_model, geometry_config, wrap_multimodal
-from segback.models.stack import get_stack
+from segback.engine.stack import get_stack
 
 TOL = 1e-5
 
@@ -97,19 +97,22 @@ def test_head_chunking_bounds_logits():
     model = lora_model("tiny-qwen3")
     batch, lengths = batch_of(256)
     (l0, _), g0 = value_and_grad(model, batch, lengths, 2)
-    (l1, _), g1 = value_and_grad(model, batch, lengths, 2, head_max_elements=256 * 7)
+    (l1, _), g1 = value_and_grad(model, batch, lengths, 2, head_chunk=256 * 7)
     assert abs(float(l0) - float(l1)) <= TOL * abs(float(l0))
     for a, b in zip(tree_flatten(g0), tree_flatten(g1)):
         assert float(mx.linalg.norm(a[1] - b[1])) <= TOL * float(mx.linalg.norm(a[1]))
 
 
 def test_segments_validation():
-    assert resolve_segments(2, 5) == [(0, 2), (2, 4), (4, 5)]
-    assert resolve_segments({"segments": [[0, 3], [3, 5]]}, 5) == [(0, 3), (3, 5)]
-    with pytest.raises(ValueError, match="cover layers"):
-        resolve_segments([(0, 2), (3, 5)], 5)
-    with pytest.raises(ValueError, match="has 5 layers"):
-        resolve_segments([(0, 2)], 5)
+    assert segments_of(2, 5) == [(0, 2), (2, 4), (4, 5)]
+    assert segments_of([[0, 3], [3, 5]], 5) == [(0, 3), (3, 5)]
+    with pytest.raises(PlanError, match="cover layers"):
+        segments_of([(0, 2), (3, 5)], 5)
+    with pytest.raises(PlanError, match="has 5 layers"):
+        segments_of([(0, 2)], 5)
+    for bad in ([(0, 2.5), (2.5, 5)], [("0", "5")], 2.0, "2"):  # never truncated silently
+        with pytest.raises(PlanError, match="whole"):
+            segments_of(bad, 5)
 
 
 def test_unsupported_model_type_is_named():
@@ -219,7 +222,8 @@ def test_light_tiles_and_kept_boundaries_match_mlx_lm(name, tile, light_tile, ke
     (l0, n0), g0 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
     stats = {}
     (l1, n1), g1 = value_and_grad(model, batch, lengths, 1, tile=tile, offload=True,
-                                  light_tile=light_tile, offload_keep=keep, stats=stats)
+                                  light_tile=light_tile, boundaries_on_device=keep,
+                                  stats=stats)
     assert int(n1) == int(n0)
     assert abs(float(l1) - float(l0)) <= TOL * abs(float(l0))
     assert_as_exact_as_mlx_lm(model, g0, g1, batch, lengths)
@@ -242,8 +246,8 @@ def test_prefetch_is_bit_exact(monkeypatch):
     monkeypatch.setattr(offload, "_side_stream", lambda: used.append(1) or side())
     runs = []
     for on in (False, True):
-        monkeypatch.setattr(offload, "PREFETCH", on)
-        runs.append(value_and_grad(model, batch, lengths, 2, tile=16, offload=True))
+        runs.append(value_and_grad(model, batch, lengths, 2, tile=16, offload=True,
+                                   prefetch=on))
         assert bool(used) == on  # parked arrays came back early, through the side stream
     (l0, _), g0 = runs[0]
     (l1, _), g1 = runs[1]
@@ -257,13 +261,13 @@ def test_shared_traces_match_mlx_lm(monkeypatch):
     mlx-lm's gradients, with fewer traces than layers, and leave every layer its own weights."""
     from segback.engine import tiled
 
-    monkeypatch.setattr(tiled, "SHARE_TRACES", True)
     monkeypatch.setattr(tiled, "_SHARED", {})
     model = lora_model("tiny-e4b")
     batch, lengths = batch_of(model.args.vocab_size, T=70)
     (l0, _), g0 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
     before = [dict(tree_flatten(layer.parameters())) for layer in model.layers]
-    (l1, _), g1 = value_and_grad(model, batch, lengths, 1, tile=23, compile=True)
+    (l1, _), g1 = value_and_grad(model, batch, lengths, 1, tile=23, compile=True,
+                                  share_traces=True)
     for layer, old in zip(model.layers, before):  # the template's weights are put back
         assert all(v is old[k] for k, v in tree_flatten(layer.parameters()))
     assert abs(float(l1) - float(l0)) <= TOL * abs(float(l0))
@@ -276,8 +280,8 @@ def test_light_tile_and_keep_need_their_engine():
     batch, lengths = batch_of(model.args.vocab_size, T=20)
     with pytest.raises(ValueError, match="light_tile needs a tile"):
         value_and_grad(model, batch, lengths, 1, light_tile=8)
-    with pytest.raises(ValueError, match="offload_keep"):
-        value_and_grad(model, batch, lengths, 1, tile=8, offload_keep=1)
+    with pytest.raises(ValueError, match="boundaries_on_device=1 .* needs offload"):
+        value_and_grad(model, batch, lengths, 1, tile=8, boundaries_on_device=1)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-e4b"])

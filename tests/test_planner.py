@@ -5,7 +5,6 @@ import gc
 import json
 import sys
 
-import jsonschema
 import mlx.core as mx
 import pytest
 from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -14,25 +13,25 @@ from segback.engine import memory, value_and_grad
 from segback.engine.attention import use_chunked_attention
 from segback.engine.memory import GB
 from segback.models.geometry import build_model, geometry_config
-from segback.planner import (
-    SCHEMA_PATH,
-    add_arguments,
-    fit_coefficients,
-    main,
-    plan_segments,
-    read_geometry,
-    validate,
-)
+from segback.engine import Plan, PlanError
+from segback.engine.plan import SCHEMA
+from segback.planner import fit_coefficients, plan_segments, read_geometry
+from segback.planner.cli import add_arguments, main
+
+def validate(plan: Plan) -> None:
+    """The plan round-trips plan.schema.json unchanged."""
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
 
 GEOMETRIES = ["tiny-llama", "tiny-gemma3", "tiny-e4b", "e4b"]
 
 
 def assert_covers(plan, n):
-    segs = plan["segments"]
+    segs = plan.segments
     assert segs[0][0] == 0 and segs[-1][1] == n
     for (a, b), (c, _) in zip(segs, segs[1:]):
         assert a < b == c
-    assert len(plan["layer_types"]) == n
+    assert len(plan.layer_types) == n
 
 
 @pytest.mark.parametrize("name", GEOMETRIES)
@@ -44,72 +43,76 @@ def test_plans_cover_all_layers(name, attention):
         plan = plan_segments(name, seq, attention=attention, quant_bits=bits)
         assert_covers(plan, n)
         validate(plan)
-        assert plan["meets_target"] and plan["predicted_relative_step_time"] >= 1.0
+        assert plan.meets_target and plan.predicted_relative_step_time >= 1.0
 
 
 def test_e4b_plan_is_config_only_and_reads_geometry():
     plan = plan_segments("e4b", 8192, quant_bits=4)
     assert mx.get_active_memory() < 1 << 30  # nothing of e4b's weights was materialized
-    types = plan["layer_types"]
+    types = plan.layer_types
     assert [i for i, t in enumerate(types) if t == "full_attention"] == [5, 11, 17, 23, 29, 35, 41]
     # 4-bit weights: ~4-6 GB, not the ~16 GB of float32
-    assert 3.0 < plan["breakdown"]["weights"] < 7.0
-    donors = {kv["donor"]: kv for kv in plan["saved_kv"]}
+    assert 3.0 < plan.breakdown["weights"] < 7.0
+    donors = {kv["donor"]: kv for kv in plan.saved_kv}
     assert set(donors) == {22, 23}  # sharers 24..41 read donor 22 (sliding) and 23 (full)
     assert donors[23]["sharer_layers"] == [29, 35, 41]
 
 
 def test_tight_target_isolates_full_attention_layers():
     free = plan_segments("e4b", 8192, quant_bits=4)
-    floor = free["predicted_peak_gb"]
+    floor = free.predicted_peak_gb
     plan = plan_segments("e4b", 8192, quant_bits=4, target_gb=floor * 1.05)
-    assert plan["meets_target"] and plan["predicted_peak_gb"] <= floor * 1.05
-    for a, b in plan["segments"]:
-        if any(plan["layer_types"][i] == "full_attention" for i in range(a, b)):
-            assert b - a <= 2, plan["segments"]
+    assert plan.meets_target and plan.predicted_peak_gb <= floor * 1.05
+    for a, b in plan.segments:
+        if any(plan.layer_types[i] == "full_attention" for i in range(a, b)):
+            assert b - a <= 2, plan.segments
     # a loose target takes fewer, larger segments
     loose = plan_segments("e4b", 8192, quant_bits=4, target_gb=floor * 2)
-    assert loose["meets_target"] and len(loose["segments"]) < len(plan["segments"])
+    assert loose.meets_target and len(loose.segments) < len(plan.segments)
 
 
 def test_chunked_attention_lowers_the_long_context_peak():
     fused = plan_segments("e4b", 32768, quant_bits=4)
     chunked = plan_segments("e4b", 32768, quant_bits=4, attention="chunked")
-    assert chunked["predicted_peak_gb"] < 0.6 * fused["predicted_peak_gb"]
+    assert chunked.predicted_peak_gb < 0.6 * fused.predicted_peak_gb
     # with chunked attention the full layers (O(L x chunk)) are the heavy ones
-    worst = max(range(len(chunked["segments"])), key=lambda k: chunked["segment_gb"][k])
-    a, b = chunked["segments"][worst]
-    assert "full_attention" in chunked["layer_types"][a:b]
+    worst = max(range(len(chunked.segments)), key=lambda k: chunked.segment_gb[k])
+    a, b = chunked.segments[worst]
+    assert "full_attention" in chunked.layer_types[a:b]
 
 
 def test_target_below_floor_returns_minimum_plan():
     free = plan_segments("tiny-e4b", 1024)
     plan = plan_segments("tiny-e4b", 1024, target_gb=1e-6)
-    assert not plan["meets_target"]
-    assert "cannot be met" in plan["message"]
-    assert plan["segments"] == free["segments"]
-    assert plan["predicted_peak_gb"] == pytest.approx(free["predicted_peak_gb"])
+    assert not plan.meets_target
+    assert "cannot be met" in plan.message
+    assert plan.segments == free.segments
+    assert plan.predicted_peak_gb == pytest.approx(free.predicted_peak_gb)
     validate(plan)
 
 
 def test_time_budget_limits_segment_count():
     free = plan_segments("e4b", 8192, quant_bits=4, attention="chunked")
-    budget = free["predicted_relative_step_time"] - 0.02
+    budget = free.predicted_relative_step_time - 0.02
     plan = plan_segments("e4b", 8192, quant_bits=4, attention="chunked", time_budget=budget)
-    assert plan["predicted_relative_step_time"] <= budget
-    assert len(plan["segments"]) < len(free["segments"])
+    assert plan.predicted_relative_step_time <= budget
+    assert len(plan.segments) < len(free.segments)
     too_fast = plan_segments("e4b", 8192, quant_bits=4, time_budget=1.0)
-    assert not too_fast["meets_time_budget"] and len(too_fast["segments"]) == 1
+    assert not too_fast.meets_time_budget and len(too_fast.segments) == 1
 
 
 def test_schema_rejects_bad_plans():
     plan = plan_segments("tiny-llama", 512)
     validate(plan)
-    for bad in ({**plan, "segments": "all"}, {k: v for k, v in plan.items() if k != "inputs"},
-                {**plan, "inputs": {**plan["inputs"], "attention": "flash"}}):
-        with pytest.raises(jsonschema.ValidationError):
-            validate(bad)
-    json.loads(SCHEMA_PATH.read_text())
+    d = plan.to_dict()
+    for bad, where in (({**d, "segments": "all"}, "segments"),
+                       ({**d, "segments": [[0, 1.5], [1.5, 4]]}, "segments/[01]/[01]"),
+                       ({k: v for k, v in d.items() if k != "inputs"}, "top level"),
+                       ({k: v for k, v in d.items() if k != "segments"}, "top level"),
+                       ({**d, "inputs": {**d["inputs"], "attention": "flash"}}, "inputs")):
+        with pytest.raises(PlanError, match=f"at {where}"):
+            Plan.from_dict(bad)
+    json.loads(SCHEMA.read_text())
 
 
 def test_cli_writes_valid_plan(tmp_path):
@@ -121,9 +124,9 @@ def test_cli_writes_valid_plan(tmp_path):
     args = parser.parse_args(["--model", "tiny-gemma3", "--seq", "2048", "--target-gb", "1",
                               "--attention", "chunked", "--out", str(out)])
     assert main(args) == 0
-    plan = json.loads(out.read_text())
+    plan = Plan.read(out)
     validate(plan)
-    assert plan["inputs"]["model"] == "tiny-gemma3" and plan["inputs"]["attention"] == "chunked"
+    assert plan.inputs["model"] == "tiny-gemma3" and plan.inputs["attention"] == "chunked"
 
 
 # --- calibrated predictions against the engine ------------------------------------------------
@@ -185,12 +188,12 @@ def test_calibrated_prediction_matches_engine(name, attention):
     for seq_len in (512, 1024, 2048):  # activations dominate fixed overheads
         chosen = plan_segments(model, seq_len, coefficients=coef, attention=attention)
         validate(chosen)
-        assert chosen["inputs"]["calibration"]["segments"] == coef.segments
+        assert chosen.inputs["calibration"]["segments"] == coef.segments
         pairs = plan_segments(model, seq_len, coefficients=coef, attention=attention,
                               segments=2)  # predict only
         for plan in (chosen, pairs):
-            bd = plan["breakdown"]
-            predicted = (plan["predicted_peak_gb"] - bd["weights"] - bd["lora_optimizer"]) * GB
+            bd = plan.breakdown
+            predicted = (plan.predicted_peak_gb - bd["weights"] - bd["lora_optimizer"]) * GB
             predicted += grads  # the step's gradients are live; AdamW's moments are not
             measured = measured_step_bytes(model, seq_len, plan, attention)
             assert abs(predicted - measured) <= 0.2 * measured, (seq_len, predicted, measured)
@@ -206,9 +209,10 @@ def test_tiled_prediction_matches_engine(name, tile, offload, segments):
     for seq_len, low, high in ((1024, 1.0, 2.2), (4096, 0.75, 1.25)):
         plan = plan_segments(model, seq_len, tile=tile, offload=offload, segments=segments)
         validate(plan)
-        assert (plan["attention"], plan["tile"], plan["offload"]) == ("chunked", tile, offload)
-        bd = plan["breakdown"]
-        predicted = (plan["predicted_peak_gb"] - bd["weights"] - bd["lora_optimizer"]) * GB
+        engine = plan.engine
+        assert (engine.attention, engine.tile, engine.offload) == ("chunked", tile, offload)
+        bd = plan.breakdown
+        predicted = (plan.predicted_peak_gb - bd["weights"] - bd["lora_optimizer"]) * GB
         measured = measured_step_bytes(model, seq_len, plan)  # the engine reads tile/offload
         assert low * measured <= predicted + grads <= high * measured, (seq_len, predicted,
                                                                          measured)
@@ -220,19 +224,19 @@ def test_tiling_plans_long_context_e4b_under_the_untiled_floor():
     target (untiled when it fits, as at 8K)."""
     untiled = plan_segments("e4b", 131072, quant_bits=4, attention="chunked")
     tiled = plan_segments("e4b", 131072, quant_bits=4, tile=1024, offload=True)
-    assert untiled["predicted_peak_gb"] > 60 and tiled["predicted_peak_gb"] < 24
-    assert tiled["predicted_host_gb"] > 1 and untiled["predicted_host_gb"] == 0
+    assert untiled.predicted_peak_gb > 60 and tiled.predicted_peak_gb < 24
+    assert tiled.predicted_host_gb > 1 and untiled.predicted_host_gb == 0
     # Offload keeps the per-layer embedding table (4-bit: 1.59 GB) in host memory.
     on_device = plan_segments("e4b", 131072, quant_bits=4, tile=1024, offload=False)
-    moved = on_device["breakdown"]["weights"] - tiled["breakdown"]["weights"]
+    moved = on_device.breakdown["weights"] - tiled.breakdown["weights"]
     assert moved * GB == 262144 * 42 * 256 * (4 / 8 + 2 * 2 / 64)
-    assert tiled["predicted_relative_step_time"] > untiled["predicted_relative_step_time"]
+    assert tiled.predicted_relative_step_time > untiled.predicted_relative_step_time
     validate(tiled)
     auto = plan_segments("e4b", 131072, quant_bits=4, tile="auto", offload="auto", target_gb=24)
-    assert auto["meets_target"] and auto["tile"] and auto["predicted_peak_gb"] <= 24
-    assert auto["inputs"]["tile"] == "auto"
+    assert auto.meets_target and auto.engine.tile and auto.predicted_peak_gb <= 24
+    assert auto.inputs["tile"] == "auto"
     short = plan_segments("e4b", 8192, quant_bits=4, tile="auto", target_gb=30)
-    assert short["tile"] is None and short["meets_target"]
+    assert short.engine.tile is None and short.meets_target
     with pytest.raises(ValueError, match="offload needs a tile"):
         plan_segments("e4b", 8192, quant_bits=4, offload=True)
 
@@ -243,11 +247,49 @@ def test_unquantized_geometry_counts_lora_not_base_weights_as_trainable(tmp_path
     # tiny-llama, per layer: q 64->64, k/v 64->32, o 64->64, gate/up 64->128, down 128->64
     per_layer = 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 128) * 3)
     expected = 4 * per_layer * 4 * 3 / GB
-    assert plan_segments("tiny-llama", 512)["breakdown"]["lora_optimizer"] == pytest.approx(
+    assert plan_segments("tiny-llama", 512).breakdown["lora_optimizer"] == pytest.approx(
         expected)
     from mlx_lm.utils import save_model
 
     save_model(tmp_path, build_model("tiny-llama"))
     (tmp_path / "config.json").write_text(json.dumps(geometry_config("tiny-llama")))
     plan = plan_segments(str(tmp_path), 512)
-    assert plan["breakdown"]["lora_optimizer"] == pytest.approx(expected)
+    assert plan.breakdown["lora_optimizer"] == pytest.approx(expected)
+
+
+def test_plan_is_refused_for_another_model_or_a_longer_sequence():
+    """A plan carries what it was made for; the engine refuses it elsewhere."""
+    plan = plan_segments("tiny-llama", 64, tile=32, offload=True)
+    assert plan.engine.tile == 32 and plan.inputs["num_layers"] == 4
+    model = lora_model("tiny-llama")
+    ok = mx.random.randint(0, model.args.vocab_size, (1, 65))
+    (loss, _), _ = value_and_grad(model, ok, mx.array([[0, 64]]), plan)  # runs as planned
+    assert float(loss) > 0
+    long = mx.random.randint(0, model.args.vocab_size, (1, 129))
+    with pytest.raises(PlanError, match="made for sequences of 64 tokens"):
+        value_and_grad(model, long, mx.array([[0, 128]]), plan)
+    other = lora_model("tiny-gemma3")
+    batch = mx.random.randint(0, other.args.vocab_size, (1, 65))
+    with pytest.raises(PlanError, match="make a plan for this model"):
+        value_and_grad(other, batch, mx.array([[0, 64]]), plan)
+    with pytest.raises(PlanError, match="made for batches of 1"):
+        value_and_grad(model, mx.concatenate([ok, ok]), mx.array([[0, 64]] * 2), plan)
+
+
+def test_plan_engine_options_round_trip_and_old_plan_files(tmp_path):
+    """Run-time options given to the planner travel in the plan; plan files written with the
+    old top-level keys are still read."""
+    from segback.engine import EngineOptions
+
+    plan = plan_segments("tiny-llama", 64, tile=16, offload=True,
+                         options=EngineOptions(tiles_in_flight=1, compile=False))
+    assert (plan.engine.tiles_in_flight, plan.engine.compile) == (1, False)
+    validate(plan)
+    old = plan.to_dict()
+    engine = old.pop("engine")
+    old.update(attention="chunked", tile=engine["tile"], offload=True, offload_keep=0,
+               light_tile=None)
+    old["inputs"]["offload_keep"] = old["inputs"].pop("boundaries_on_device")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    read = Plan.read(tmp_path / "old.json")
+    assert read.segments == plan.segments and read.engine.tile == 16 and read.engine.offload

@@ -28,7 +28,7 @@ SNAKEFILE = REPO / "Snakefile"
 CONFIG = REPO / "config" / "config.yaml"
 SMOKE = REPO / "config" / "smoke.yaml"
 CONFIG_SCHEMA = REPO / "workflow" / "schemas" / "config.schema.json"
-RESULT_SCHEMA = REPO / "workflow" / "schemas" / "result.schema.json"
+RESULT_SCHEMA = REPO / "segback" / "result.schema.json"
 
 ALL_RULES = {
     "prepare_model": 1, "build_dataset": 1, "filter_test": 1, "filter_data": 2,

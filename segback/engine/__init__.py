@@ -1,6 +1,9 @@
-"""The segmented-backward engine: exact LoRA gradients with bounded activation memory."""
+"""The segmented-backward engine: the ground floor, importing nothing else of segback."""
 
 from segback.engine.memory import MemoryProbe, memory_stats, reset_peak
-from segback.engine.segmented import resolve_segments, value_and_grad
+from segback.engine.options import EngineOptions, OptionsError
+from segback.engine.plan import Plan, PlanError, segments_of
+from segback.engine.segmented import value_and_grad
 
-__all__ = ["value_and_grad", "resolve_segments", "memory_stats", "reset_peak", "MemoryProbe"]
+__all__ = ["EngineOptions", "MemoryProbe", "OptionsError", "Plan", "PlanError", "memory_stats",
+           "reset_peak", "segments_of", "value_and_grad"]

@@ -10,7 +10,7 @@ O(chunk x (chunk + window)) (sliding), and a sliding layer does O(L x window) wo
   softmax exactly from the scores it needs anyway; the forward keeps only its output (for
   rowsum(dO * O)).
 - Forward: chunked the same way (no [L, L] array, no mask array). A causal call may use mx.fast's
-  kernel instead (`FUSED_FORWARD`), on by default only on Metal, whose kernel is flash-style.
+  kernel instead (`fused_forward`), by default only on Metal, whose kernel is flash-style.
 - Chunks run strictly in order (`mx.depends`), else MLX's scheduler may start many at once.
   dK/dV accumulate in float32; matmuls run in the input dtype, softmax and dS in float32.
 - On CUDA, buffers live until the CUDA graph that used them has run, and mlx batches 20 ops per
@@ -39,11 +39,6 @@ _MLX_SDPA = _base.scaled_dot_product_attention
 SCORE_BUDGET = 1 << 26
 MIN_CHUNK = 64
 MAX_CHUNK = 1024
-# Causal forward through mx.fast's kernel (the backward is ours either way). Only Metal's is a
-# flash kernel: on CPU and CUDA (mlx 0.32.4) it materializes [B, H, L, L] scores (4.4 GB at
-# L=16K, 8 heads, bf16), so there the forward is chunked too.
-FUSED_FORWARD = mx.metal.is_available()
-FUSE_ELEMENTWISE = True
 
 
 @dataclass(frozen=True)
@@ -148,8 +143,7 @@ def _probs(
     B, Hkv, n, kv = s.shape
     if mask is not None:
         s = s.reshape(B, Hkv, rep, n // rep, kv)  # the [c, kv] mask broadcasts over rep
-    fn = _probs_from_scores_fused if FUSE_ELEMENTWISE else _probs_from_scores
-    return fn(s, mask, scale).reshape(B, Hkv, n, kv)
+    return _probs_from_scores_fused(s, mask, scale).reshape(B, Hkv, n, kv)
 
 
 def _chunks(Lq: int, chunk: int, offset: int, window: int | None):
@@ -267,7 +261,7 @@ def attention_backward(
         p = _probs(qc, kc, scale, mask, rep)
         dv_c = p.astype(doc.dtype).swapaxes(-1, -2) @ doc
         dp = doc @ vc.swapaxes(-1, -2)
-        ds = (_dscores_fused if FUSE_ELEMENTWISE else _dscores)(
+        ds = _dscores_fused(
             p, dp, _rows(delta, q0, q1, Hkv), scale
         ).astype(queries.dtype)
         dqs.append((ds @ kc).reshape(B, H, q1 - q0, D).astype(queries.dtype))
@@ -309,6 +303,7 @@ def chunked_sdpa(
     scale: float,
     window: int | None = None,
     chunk_size: int | None = None,
+    fused_forward: bool | None = None,
 ) -> mx.array:
     """Causal (optionally sliding-window) attention whose backward is O(L) in memory.
 
@@ -325,7 +320,9 @@ def chunked_sdpa(
     if Lq > Lk:
         raise ValueError(f"more queries ({Lq}) than keys ({Lk})")
     window, chunk = attention_shape(B, H, Lq, Lk, window, chunk_size)
-    fused = FUSED_FORWARD and window is None and mx.default_device() == mx.gpu
+    if fused_forward is None:
+        fused_forward = mx.metal.is_available()
+    fused = fused_forward and window is None and mx.default_device() == mx.gpu
     return _cached_chunked(float(scale), window, int(chunk), fused)(queries, keys, values)
 
 

@@ -8,10 +8,10 @@ The copy out runs on a worker thread while the GPU computes (numpy's copy releas
 from a device copy of its own, so the CPU's reads do not pull away pages the next layer reads.
 The copy back stays in the calling thread: `mx.array(numpy)` holds the GIL, and on a worker it
 stalled the thread that feeds the GPU (measured: the step got no faster). `prefetch` (off by
-default, `PREFETCH`) starts it one layer early instead: the host copy lands in a fresh array and
+default) starts it one layer early instead: the host copy lands in a fresh array and
 a copy kernel on a side stream pulls it onto the device while the layer before it runs on the
 main stream; on the H200 that measured no faster either. What did help is not copying:
-boundaries the planner keeps on the device (`offload_keep`, room made by parking Gemma-4's
+boundaries the planner keeps on the device (`boundaries_on_device`, room made by parking Gemma-4's
 per-layer table, segback.engine.host_table) took e4b's 8K step from 6.1 to 4.9 s.
 At most `MAX_PENDING` arrays wait for their copy out, each alive on the device until copied:
 without that bound, parking many arrays in a row (the per-layer inputs) would keep them all.
@@ -28,10 +28,6 @@ import mlx.core as mx
 import numpy as np
 
 MAX_PENDING = 2
-# `prefetch` brings parked arrays back a layer early (bench --prefetch on|off). Off: on the H200
-# (e4b at 8K, 5 timed steps) it measured 6.55 s a step against 6.50 s without, for one more
-# boundary on the device (+0.7 GB at 128K).
-PREFETCH = False
 _POOL: ThreadPoolExecutor | None = None
 
 
@@ -71,6 +67,7 @@ class HostStore:
     """Arrays parked in host memory (offload) or kept on the device; counts host bytes."""
 
     offload: bool
+    prefetching: bool = False  # bring parked arrays back a layer early on a side stream
     host_bytes: int = 0
     peak_host_bytes: int = 0
     _pending: deque = field(default_factory=deque)
@@ -102,7 +99,7 @@ class HostStore:
 
     def prefetch(self, handle: Any) -> None:
         """Start bringing a parked array back, so that its `get` finds it on the device."""
-        if not PREFETCH or not isinstance(handle, Parked) or id(handle) in self._fetched:
+        if not self.prefetching or not isinstance(handle, Parked) or id(handle) in self._fetched:
             return
         x = mx.array(handle.host.result())
         with mx.stream(_side_stream()):

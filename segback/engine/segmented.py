@@ -21,83 +21,35 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from segback.engine.head import DEFAULT_MAX_ELEMENTS, head_vjp
-from segback.models.stack import Stack, get_stack
-
-Segments = Sequence[tuple[int, int]]
-
-
-def resolve_segments(segments: Any, num_layers: int) -> list[tuple[int, int]]:
-    """Accept (start, stop) ranges, a plan (dict/object with `segments`) or layers-per-segment."""
-    if segments is None:
-        segments = num_layers
-    if isinstance(segments, dict):
-        segments = segments["segments"]
-    elif hasattr(segments, "segments"):
-        segments = segments.segments
-    if isinstance(segments, int):
-        if segments < 1:
-            raise ValueError("layers per segment must be >= 1")
-        segments = [(s, min(s + segments, num_layers)) for s in range(0, num_layers, segments)]
-    out = [(int(a), int(b)) for a, b in segments]
-    pos = 0
-    for a, b in out:
-        if a != pos or b <= a:
-            raise ValueError(
-                f"segments must cover layers 0..{num_layers} in order without gaps; got {out}"
-            )
-        pos = b
-    if pos != num_layers:
-        raise ValueError(f"segments end at layer {pos} but the model has {num_layers} layers")
-    return out
+from segback.engine.attention import use_chunked_attention
+from segback.engine.head import head_vjp
+from segback.engine.host_table import park_tables, parked_bytes
+from segback.engine.offload import HostStore
+from segback.engine.options import EngineOptions
+from segback.engine.plan import Plan, segments_of
+from segback.engine.stack import Stack, get_stack
+from segback.engine.tiled import LayerCall, layer_forward, layer_vjp
+from segback.engine.tiled import tiles as token_tiles
 
 
-def plan_attention(plan: Any, default: str = "fused") -> str:
-    """The attention kind a plan dict was made for (its own key or its `inputs`), else default."""
-    return plan_option(plan, "attention", default)
-
-
-def tiling_options(tile: Any, offload: Any) -> tuple[int | str | None, bool | str]:
-    """`tile` and `offload` as the CLI, YAML or Python give them ("512", "auto", "true", 512,
-    True...) as (tokens | "auto" | None, True | False | "auto"); a clear error otherwise."""
-    if isinstance(tile, str):
-        low = tile.strip().lower()
-        tile = None if low in ("", "none", "null") else int(low) if low.isdigit() else low
-    if tile not in (None, "auto") and not (type(tile) is int and tile >= 1):
-        raise ValueError(f"tile must be a positive number of tokens, 'auto' or None, not {tile!r}")
-    if isinstance(offload, str) and offload.strip().lower() in ("true", "false"):
-        offload = offload.strip().lower() == "true"
-    if offload not in (True, False, "auto"):
-        raise ValueError(f"offload must be true, false or 'auto', not {offload!r}")
-    return tile, offload
-
-
-def check_tiling_extras(tile: Any, offload: Any, light_tile: Any, offload_keep: Any) -> None:
-    """`light_tile` and `offload_keep` make sense with this `tile` and `offload`
-    (`offload_keep` may be "auto" for the planner); a clear error otherwise."""
-    if light_tile is not None and not tile:
-        raise ValueError("light_tile needs a tile size (tile=...): it is part of the tiled engine")
-    if light_tile is not None and not (type(light_tile) is int and light_tile >= 1):
-        raise ValueError(f"light_tile must be a positive number of tokens, not {light_tile!r}")
-    if offload_keep != "auto" and not (type(offload_keep) is int and offload_keep >= 0):
-        raise ValueError(f"offload_keep must be a number of segments >= 0 or 'auto', "
-                         f"not {offload_keep!r}")
-    if offload_keep not in (0, "auto") and not offload:
-        raise ValueError(f"offload_keep={offload_keep}: the number of last segments whose "
-                         "boundaries stay on the device needs offload=True")
-
-
-def engine_options(plan: Any, attention: str = "fused", tile: int | None = None,
-                   offload: bool = False, light_tile: int | None = None,
-                   offload_keep: int = 0) -> dict[str, Any]:
-    """The engine settings (attention, tile, offload, light_tile, offload_keep) a plan was made
-    for; the arguments are the defaults for what the plan does not say (a list of ranges or a
-    count says nothing)."""
-    tile = plan_option(plan, "tile", tile)
-    return dict(attention="chunked" if tile else plan_attention(plan, attention), tile=tile,
-                offload=bool(plan_option(plan, "offload", offload)),
-                light_tile=plan_option(plan, "light_tile", light_tile),
-                offload_keep=int(plan_option(plan, "offload_keep", offload_keep)))
+def resolve(model_stack: Stack, batch: mx.array, plan: Any, options: EngineOptions | None,
+            overrides: dict[str, Any]) -> tuple[list[tuple[int, int]], EngineOptions]:
+    """(segments, options) for this step: a `Plan` (or its dict) brings both and is checked
+    against the model and batch; ranges or a count bring segments only. `options` replaces the
+    plan's, and keyword overrides go on top; None values are the device's defaults."""
+    if isinstance(plan, dict):
+        plan = Plan.from_dict(plan)
+    if isinstance(plan, Plan):
+        segs = plan.check(model_stack.num_layers, model_stack.layer_types,
+                          seq_len=batch.shape[1] - 1, batch_size=batch.shape[0])
+        base = plan.engine
+    else:
+        segs = segments_of(plan, model_stack.num_layers)
+        base = EngineOptions()
+    base = options or base
+    if overrides:
+        base = EngineOptions.from_dict(base.to_dict() | overrides, "value_and_grad")
+    return segs, base.resolved()
 
 
 def _split_trainable(model: nn.Module, stack: Stack):
@@ -121,83 +73,35 @@ def _binder(module: nn.Module, keys: list[str]):
     return bind
 
 
-def plan_option(plan: Any, key: str, default: Any) -> Any:
-    """A plan dict's own setting for `key`, else `default`.
-
-    The top level holds what the planner chose (null tile = untiled); a plan made before those
-    keys existed only has its `inputs` (the attention it was asked for).
-    """
-    if not isinstance(plan, dict):
-        return default
-    if key in plan:
-        return default if plan[key] is None else plan[key]
-    value = plan.get("inputs", {}).get(key)
-    return default if value is None or value == "auto" else value
-
-
-def compile_by_default() -> bool:
-    """Whether tile functions are `mx.compile`d when the caller does not say: on the CPU only."""
-    return mx.default_device() == mx.cpu
-
-
 def value_and_grad(
     model: nn.Module,
     batch: mx.array,
     lengths: mx.array,
-    segments: Any = None,
-    head_max_elements: int = DEFAULT_MAX_ELEMENTS,
-    attention: str = "fused",
-    tile: int | None = None,
-    offload: bool = False,
+    plan: Plan | dict | Sequence[tuple[int, int]] | int | None = None,
+    options: EngineOptions | None = None,
+    *,
     stats: dict | None = None,
-    compile: bool | None = None,
-    light_tile: int | None = None,
-    offload_keep: int = 0,
+    **overrides: Any,
 ) -> tuple[tuple[mx.array, mx.array], dict]:
     """Drop-in for `nn.value_and_grad(model, default_loss)(model, batch, lengths)`.
 
     Returns ((loss, ntoks), grads) with grads shaped like `model.trainable_parameters()`.
-    `attention="chunked"` runs mlx-lm's layers with `chunked_sdpa` (O(L) attention backward,
-    masks as descriptors); "fused" keeps mx.fast's kernel. `tile` (tokens) runs each layer's
-    token-wise parts a tile at a time, forward and backward (implies chunked attention);
-    `offload` parks boundaries and per-layer inputs in host memory (with `tile`), except the
-    boundaries of the last `offload_keep` segments, which stay on the device (they are the first
-    the backward needs: no copy either way); on its first call it also moves a frozen Gemma-4
-    per-layer embedding table to host memory for good (segback.engine.host_table).
-    `light_tile` (default `tile`) is the tile of the passes that hold no MLP cotangents
-    (segback.engine.tiled). A plan's own "attention", "tile",
-    "offload", "light_tile" and "offload_keep" win. `stats`, if given, receives "host_gb". `compile`
-    traces each tiled layer's tile functions once (`mx.compile`; skipped with LoRA dropout);
-    None compiles on the CPU only: on CUDA the first compiled step JIT-builds every trace's
-    kernels (measured on the H200, e4b at 8K: over 150 s, against 32 s eager), after which it
-    is 13% faster (4.89 against 5.60 s a step).
+    `plan` is a `Plan` (segments and engine options; refused if made for another model or a
+    shorter sequence), (start, stop) layer ranges, layers per segment, or None (one segment).
+    `options` (`EngineOptions`) or keyword overrides (`tile=1024`, `offload=True`, ...) say how
+    to run it when the plan does not. `stats`, if given, receives "host_gb".
     """
-    if compile is None:
-        compile = compile_by_default()
-    opts = engine_options(segments, attention, tile, offload, light_tile, offload_keep)
-    attention, tile, offload = opts["attention"], opts["tile"], opts["offload"]
-    light_tile, offload_keep = opts["light_tile"], opts["offload_keep"]
-    if attention not in ("fused", "chunked"):
-        raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
-    if offload and not tile:
-        raise ValueError("offload needs a tile size (tile=...): it is part of the tiled engine")
-    check_tiling_extras(tile, offload, light_tile, offload_keep)
     stack = get_stack(model)
-    if attention == "chunked" or tile:
-        from segback.engine.attention import use_chunked_attention
-
+    segs, opts = resolve(stack, batch, plan, options, overrides)
+    if opts.attention == "chunked":
         with use_chunked_attention([stack.module]):
-            if tile:
-                return _value_and_grad_tiled(model, stack, batch, lengths, segments,
-                                             head_max_elements, int(tile), offload, stats,
-                                             compile, light_tile, offload_keep)
-            return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements,
-                                   chunked=True)
-    return _value_and_grad(model, stack, batch, lengths, segments, head_max_elements)
+            if opts.tile:
+                return _value_and_grad_tiled(model, stack, batch, lengths, segs, opts, stats)
+            return _value_and_grad(model, stack, batch, lengths, segs, opts, chunked=True)
+    return _value_and_grad(model, stack, batch, lengths, segs, opts)
 
 
-def _value_and_grad(model, stack, batch, lengths, segments, head_max_elements, chunked=False):
-    segs = resolve_segments(segments, stack.num_layers)
+def _value_and_grad(model, stack, batch, lengths, segs, opts: EngineOptions, chunked=False):
     per_layer, outer = _split_trainable(model, stack)
     lengths_np = np.array(lengths).reshape(-1, 2)
     inputs = batch[:, :-1]
@@ -231,8 +135,7 @@ def _value_and_grad(model, stack, batch, lengths, segments, head_max_elements, c
     # 2. Loss head on the final hidden state.
     loss, ntoks, dh, d_outer = head_vjp(
         stack.head, h, batch, lengths_np, getattr(model.args, "vocab_size", 1 << 15),
-        outer_vals, bind_outer,
-        head_max_elements,
+        outer_vals, bind_outer, opts.head_chunk,
     )
     del h
     bind_outer(outer_vals)
@@ -314,32 +217,25 @@ def _value_and_grad(model, stack, batch, lengths, segments, head_max_elements, c
 
 
 
-def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_elements, tile,
-                          offload, stats, compile, light_tile=None, offload_keep=0):
+def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOptions, stats):
     """The segmented backward with sequence-tiled layers (see `segback.engine.tiled`).
 
     A segment [a, b) keeps only its input boundary; its backward recomputes the boundaries
     inside it, then walks its layers in reverse, each layer's VJP tile by tile.
     """
-    from segback.engine.host_table import park_tables, parked_bytes
-    from segback.engine.offload import HostStore
-    from segback.engine.tiled import LayerCall, layer_forward, layer_vjp
-    from segback.engine.tiled import tiles as token_tiles
-
-    if offload:  # once per model: later calls find the table parked already
+    if opts.offload:  # once per model: later calls find the table parked already
         park_tables(model)
-    segs = resolve_segments(segments, stack.num_layers)
     per_layer, outer = _split_trainable(model, stack)
     lengths_np = np.array(lengths).reshape(-1, 2)
     inputs = batch[:, :-1]
     L = inputs.shape[1]
     need_input_grad = bool(outer)
     seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
-    store = HostStore(offload)
+    store = HostStore(opts.offload, opts.prefetch)
     outer_keys = list(outer)
     bind_outer = _binder(model, outer_keys)
     outer_vals = [outer[k] for k in outer_keys]
-    spans = token_tiles(L, light_tile or tile)
+    spans = token_tiles(L, opts.light_tile or opts.tile)
 
     # Embedding, a tile at a time (Gemma-4's per-layer inputs are [L, layers, 256]).
     hs, plis = [], []
@@ -366,9 +262,10 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
         pli = store.get(pli_store[i]) if pli_store[i] is not None else None
         if then is not None and 0 <= then < stack.num_layers and pli_store[then] is not None:
             store.prefetch(pli_store[then])
-        return LayerCall(stack, i, masks[stack.layer_types[i]], tile, list(per_layer[i]), pli,
-                         kv[src] if src != i else None, need_input_grad, compile,
-                         seed=seed + 100_003 * i, light_tile=light_tile)
+        return LayerCall(stack, i, masks[stack.layer_types[i]], opts.tile, list(per_layer[i]),
+                         pli, kv[src] if src != i else None, need_input_grad, opts.compile,
+                         seed=seed + 100_003 * i, light_tile=opts.light_tile,
+                         share_traces=opts.share_traces, in_flight=opts.tiles_in_flight)
 
     def leaves(i: int) -> list[mx.array]:
         return list(per_layer[i].values())
@@ -376,7 +273,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     # 1. Forward.
     kv_saved: dict[int, tuple[mx.array, mx.array]] = {}
     boundaries = []
-    kept = len(segs) - offload_keep  # segments from here on keep their boundary on the device
+    kept = len(segs) - opts.boundaries_on_device  # from here on boundaries stay on the device
     for k, (a, b) in enumerate(segs):
         boundaries.append(store.put(h, keep=k >= kept))
         for i in range(a, b):
@@ -387,7 +284,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segments, head_max_eleme
     # 2. Loss head.
     loss, ntoks, dh, d_outer = head_vjp(
         stack.head, h, batch, lengths_np, getattr(model.args, "vocab_size", 1 << 15),
-        outer_vals, bind_outer, head_max_elements,
+        outer_vals, bind_outer, opts.head_chunk,
     )
     del h
     bind_outer(outer_vals)

@@ -44,7 +44,7 @@ from segback.engine.attention import (
     attention_forward,
     attention_shape,
 )
-from segback.models.stack import Stack
+from segback.engine.stack import Stack
 
 KV = tuple[mx.array, mx.array]
 
@@ -85,7 +85,7 @@ class TileFns:
 
     Inputs are the tile's hidden rows, its RoPE offset (an array, so all tiles share a trace),
     the attention rows or cotangents, the per-layer input, the donor K/V (sharers), the layer's
-    trainable leaves and (shared traces) its frozen ones. Shared (`SHARE_TRACES`, compiled
+    trainable leaves and (shared traces) its frozen ones. Shared (`share_traces`, compiled
     only), one TileFns serves every layer of the same structure (`structure`): it runs its
     template layer (`index`) with the calling layer's weights bound in, so 42 e4b layers trace 3
     kinds, not 42. Otherwise frozen weights are read from the layer itself (constants of a
@@ -209,18 +209,7 @@ def _fns_of(layer: nn.Module) -> dict:
 
 
 # Compiled tile functions shared by layers of one structure: (LayerCall key, structure) -> them.
-# None: shared on the GPU only. On the H200 (e4b 8K, tile 2048) sharing cut the traces a CUDA
-# first step JIT-builds from 168 to 12, and compiled + shared was 6-13% faster than eager in
-# steady state (4.89 against 5.59 s a step with kept boundaries); CUDA still runs eager unless
-# asked (`compile=True`): a fresh machine's first compiled step JIT-builds for ~2.5 minutes.
-# On CPU sharing measured neither faster nor smaller beyond run-to-run noise.
-SHARE_TRACES: bool | None = None
 _SHARED: dict[tuple, TileFns] = {}
-
-
-def share_traces() -> bool:
-    """Whether compiled tile functions are shared (SHARE_TRACES; None: on the GPU only)."""
-    return mx.default_device() == mx.gpu if SHARE_TRACES is None else SHARE_TRACES
 
 
 def _shared_fns(call: LayerCall, key: tuple, layer: nn.Module) -> TileFns:
@@ -257,6 +246,8 @@ class LayerCall:
     compile: bool = True
     seed: int = 0
     light_tile: int | None = None  # tile of the pre pass, its VJP and the forward post pass
+    share_traces: bool = False  # compiled: layers of one structure share their tile functions
+    in_flight: int = 2  # tiles scheduled before waiting for the previous one
 
     def reseed(self, t: int, part: int) -> None:
         """Dropout stream of tile t's pre (0) or post (1) pass, the same in forward and VJP."""
@@ -266,11 +257,11 @@ class LayerCall:
         self.deterministic = _can_compile(self.stack)
         compile = self.compile and self.deterministic
         key = (tuple(self.keys), self.owns_kv, self.per_layer is not None, self.pli_grad,
-               self.mask, compile)
+               self.mask, compile, compile and self.share_traces)
         layer = self.stack.layers[self.index]
         per_module = _fns_of(layer)
         if key not in per_module:
-            per_module[key] = _shared_fns(self, key, layer) if compile and share_traces() \
+            per_module[key] = _shared_fns(self, key, layer) if compile and self.share_traces \
                 else TileFns(self.stack, self.index, self.mask, self.keys, self.owns_kv,
                              self.per_layer is not None, self.pli_grad, compile)
         self.fns: TileFns = per_module[key]
@@ -304,24 +295,19 @@ class LayerCall:
         return attention_shape(B, H, L, L, window)
 
 
-# Tiles in flight at once: 1 evaluates each tile before building the next; 2 schedules tile t,
-# then waits for tile t-1 (bench --in-flight measures both).
-IN_FLIGHT = 2
-
-
 class InFlight:
-    """At most `IN_FLIGHT` tiles in flight.
+    """At most `depth` tiles in flight.
 
     A blocking eval per tile leaves the GPU idle while the host builds the next tile's graph;
-    two in flight hide that, for one more tile of transients (H200, e4b at 8K, tile 2048: 6.46 s
-    a step against 7.16 s, peak 7.58 GB against 7.53 GB).
+    two in flight hide that, for one more tile of transients.
     """
 
-    def __init__(self):
+    def __init__(self, depth: int):
+        self.depth = depth
         self.prev: tuple | None = None
 
     def push(self, *arrays) -> None:
-        if IN_FLIGHT < 2:
+        if self.depth < 2:
             mx.eval(*arrays)
             return
         mx.async_eval(*arrays)
@@ -341,7 +327,7 @@ def _offset(t0: int) -> mx.array:
 def _pre(call: LayerCall, h: mx.array, spans, leaves) -> tuple[mx.array, mx.array, mx.array]:
     """Q (and own K, V) over the whole sequence, one tile at a time."""
     qs, ks, vs = [], [], []
-    flight = InFlight()
+    flight = InFlight(call.in_flight)
     for t, (t0, t1) in enumerate(spans):
         call.reseed(t, 0)
         parts = call.fns.pre(h[:, t0:t1], _offset(t0), *call.extras(t0, t1), *leaves,
@@ -372,7 +358,7 @@ def layer_forward(call: LayerCall, h: mx.array, leaves: list[mx.array]
     mx.eval(o)
     del q
     outs = []
-    flight = InFlight()
+    flight = InFlight(call.in_flight)
     for t, (t0, t1) in enumerate(tiles(L, call.post_tile)):
         call.reseed(t, 1)
         out = call.fns.post(h[:, t0:t1], _offset(t0), o[:, :, t0:t1], *call.extras(t0, t1),
@@ -406,7 +392,7 @@ def layer_vjp(
     grads = [mx.zeros_like(p) for p in params]
     dhs, dos, deltas, dplis = [], [], [], []
     with_pli = call.pli_grad and call.per_layer is not None
-    flight = InFlight()
+    flight = InFlight(call.in_flight)
     for t, (t0, t1) in enumerate(spans):
         o_t = o[:, :, t0:t1]
         call.reseed(t, 1)

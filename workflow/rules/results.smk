@@ -1,5 +1,5 @@
 # Report figures and the final result: results/{model}_chunk_score.json (validated against
-# workflow/schemas/result.schema.json) and its HTML score table. summarize takes the configured
+# segback/result.schema.json) and its HTML score table. summarize takes the configured
 # `seq`, so changing `seq` re-runs it (its inputs change).
 
 
@@ -36,7 +36,7 @@ rule plots:
 
 rule summarize:
     input:
-        schema=os.path.join(workflow.basedir, "workflow/schemas/result.schema.json"),
+        schema=os.path.join(workflow.basedir, "segback/result.schema.json"),
         baseline="results/{model}/baseline/score.json",
         finetuned=f"results/{{model}}/seq{SEQ}/finetuned/score.json",
         adapter=f"results/{{model}}/seq{SEQ}/adapter",

@@ -1,0 +1,84 @@
+"""`segback plan`: the command line over `plan_segments`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from segback.engine import options as engine_options
+from segback.engine.options import EngineOptions, OptionsError
+from segback.engine.plan import PlanError
+from segback.planner.geometry import DTYPES
+from segback.planner.plan import describe, plan_segments
+
+SEARCHED = ("attention", "tile", "offload", "light_tile", "boundaries_on_device")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="MLX checkpoint directory or geometry name (e.g. e4b, tiny-llama)")
+    parser.add_argument("--seq", "--max-seq-length", dest="seq", type=int, required=True,
+                        help="sequence length L")
+    parser.add_argument("--batch", "--batch-size", dest="batch", type=int, default=1)
+    parser.add_argument("--target-gb", type=float, default=None, help="peak memory target")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="max step time relative to a plain forward+backward (e.g. 1.5)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure a 1- and a 2-layer segment at two lengths and fit the "
+                        "cost model (a geometry is built with random weights)")
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-layers", "--num-layers", dest="lora_layers", type=int,
+                        default=None, help="LoRA on the last N layers (default: all)")
+    parser.add_argument("--quant-bits", type=int, default=None,
+                        help="quantize a geometry's weights to N bits (checkpoints carry theirs)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="compute dtype (default: the checkpoint's, bfloat16 for geometries)")
+    parser.add_argument("--out", required=True, help="plan JSON to write")
+    search = parser.add_argument_group("what the planner chooses")
+    search.add_argument("--attention", choices=["fused", "chunked"], default="fused")
+    search.add_argument("--tile", default=None,
+                        help="tokens per tile for the sequence-tiled engine (implies chunked "
+                        "attention), or 'auto' to weigh untiled and every tile size")
+    search.add_argument("--offload", nargs="?", const="true", default="false", type=str.lower,
+                        choices=["true", "false", "auto"],
+                        help="park boundaries and per-layer inputs in host memory (with "
+                        "--tile); 'auto' weighs both")
+    search.add_argument("--light-tile", default=None,
+                        help="tokens per tile of the tiled engine's light passes (the pre "
+                        "pass, its VJP and the forward post pass); default: --tile")
+    search.add_argument("--boundaries-on-device", "--offload-keep", dest="boundaries_on_device",
+                        default="auto",
+                        help="with --offload: the last N segments keep their boundary on the "
+                        "device (no host copies); 'auto' (default): as many as --target-gb "
+                        "allows, none without a target")
+    run = parser.add_argument_group("how the engine runs the plan (stored in it)")
+    engine_options.add_arguments(run, skip=SEARCHED)
+
+
+def main(args: argparse.Namespace) -> int:
+    from segback.io import atomic_write_json
+
+    try:
+        runtime = engine_options.from_args(args, skip=SEARCHED)
+        plan = plan_segments(args.model, args.seq, args.batch, args.target_gb, args.time_budget,
+                             args.calibrate, args.lora_rank, args.lora_layers, args.dtype,
+                             args.attention, args.quant_bits, tile=args.tile,
+                             offload=args.offload,
+                             light_tile=None if args.light_tile is None else
+                             EngineOptions.from_dict({"tile": 1, "light_tile":
+                                                      args.light_tile}).light_tile,
+                             boundaries_on_device=args.boundaries_on_device, options=runtime)
+    except (ValueError, FileNotFoundError, OptionsError, PlanError) as e:  # no traceback
+        print(f"segback plan: error: {e}", file=sys.stderr)
+        return 2
+    plan.inputs["model"] = str(args.model)
+    atomic_write_json(args.out, plan.to_dict())
+    engine = plan.engine
+    print(describe(plan))
+    print(f"predicted peak {plan.predicted_peak_gb:.2f} GB (at {plan.peak_at}), "
+          f"relative step time {plan.predicted_relative_step_time:.2f}"
+          + (f", tile {engine.tile}" if engine.tile else "")
+          + (f", {plan.predicted_host_gb:.2f} GB in host memory" if engine.offload else ""))
+    if not (plan.meets_target and plan.meets_time_budget):
+        print(f"warning: {plan.message}", file=sys.stderr)
+    return 0

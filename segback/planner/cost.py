@@ -1,0 +1,345 @@
+"""Segment planner: choose the layer ranges of a segmented backward from the model's geometry.
+
+Peak memory of one training step (segback.engine.value_and_grad + AdamW) is modelled as a
+sequence of events, each adding its transient to what is alive at that moment:
+
+    resting   = weights + LoRA params, grads and AdamW state (float32, 2x); with offload
+                less Gemma-4's per-layer embedding table (host memory)
+    constants = per-layer inputs (Gemma-4) + materialized [L, L] masks + saved donor K/V
+    embed     = prologue: building h0 and the per-layer inputs
+    head      = every hidden boundary + the final hidden + dh + one chunk of logits
+    segment k = hidden boundaries 0..k + dh + donor K/V cotangents still pending
+                + the segment's recomputed activations (+ attention scores) + h_out, dh_in
+    peak      = resting + constants + max(events)
+
+The engine frees a boundary once its segment's backward is done, so early segments see fewer
+boundaries. Time is counted in FLOPs: the engine recomputes every layer's forward once, and each
+segment adds a small fixed overhead. The search is an O(N^3) min-max DP over contiguous cuts for
+every segment count, with a branch per choice of which Gemma-4 donors stay uncut from their
+sharers (no saved K/V). `--calibrate` scales the analytic activation and attention sizes by a
+fit to a 1-layer and a 2-layer segment of the real model, measured at two lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from segback.engine.offload import MAX_PENDING
+from segback.planner.geometry import Geometry, LayerGeom
+
+# Fused attention (mx.fast.scaled_dot_product_attention under grad tracing runs MLX's composed
+# fallback on every backend) in units of one [B, H, L, L] array in the compute dtype: each layer
+# of a segment keeps ~0.8 copy until its backward, and one layer's backward adds ~2.4 (scores,
+# dP, dS). Fitted on CPU llama and gemma4 layers, 1-3 per segment; a lone sdpa on the H200
+# (DESIGN.md, 3.6 GB at 8K, 8 heads, bf16) is 3.4 in all.
+FUSED_RETAINED_COPIES = 0.8
+FUSED_TRANSIENT_COPIES = 2.4
+# Chunked attention (segback.engine.attention): the backward keeps ~4 float32 [B, H, chunk,
+# visible] arrays per chunk, plus float32 dK/dV and dQ over the whole sequence.
+CHUNKED_SCORE_COPIES = 4.0
+# Loss head: a chunk of logits is held ~4.5 times (logits, log-softmax, grads), ~6.5 with a
+# logit softcap (tanh and its derivative), measured on CPU in float32 and bfloat16.
+HEAD_COPIES, SOFTCAP_COPIES = 4.5, 2.0
+HEAD_MAX_ELEMENTS = 1 << 26  # segback.engine.head.DEFAULT_MAX_ELEMENTS
+# Per-segment fixed cost (graph build, evals, boundary copies) as a fraction of a step; a rough
+# figure: at long L the recompute forward dominates and this barely moves the ratio.
+SEGMENT_OVERHEAD = 0.003
+# Backward/forward FLOP ratios: a frozen linear only needs dX (1x), attention needs dQ, dK, dV
+# and dP (2x) and chunked attention also recomputes its probabilities (3x).
+BWD_LINEAR, BWD_ATTN_FUSED, BWD_ATTN_CHUNKED = 1.0, 2.0, 3.0
+
+
+@dataclass
+class Coefficients:
+    """Multipliers on the analytic sizes (1.0 = uncalibrated): activations (kept ones and one
+    layer's backward cotangents), the attention scores each layer keeps until its backward, and
+    the scores one layer's backward adds."""
+
+    activation: float = 1.0
+    attention: float = 1.0
+    attention_transient: float = 1.0
+    calibrated: bool = False
+    lengths: list[int] = field(default_factory=list)
+    segments: list[list[int]] = field(default_factory=list)
+    measured_gb: list[list[float]] = field(default_factory=list)  # [segment][length]
+
+
+def _chunk_size(B: int, H: int, L: int, window: int | None) -> int:
+    """The query chunk segback.engine.attention picks for this shape."""
+    from segback.engine.attention import default_chunk_size
+
+    return default_chunk_size(B, H, L, L, window)
+
+
+class CostModel:
+    """Bytes and FLOPs of every piece of a segmented step for one (geometry, L, B, attention).
+
+    With `tile` (tokens), the step is the sequence-tiled engine's (segback.engine.tiled): every
+    layer runs its token-wise parts a tile at a time, attention is chunked, a segment keeps only
+    its input boundary (and recomputes those inside it in its backward), every Gemma-4 donor's
+    K/V is kept, and with `offload` the boundaries and per-layer inputs live in host memory.
+    """
+
+    def __init__(self, geom: Geometry, seq_len: int, batch_size: int = 1,
+                 attention: str = "fused", coef: Coefficients | None = None,
+                 tile: int | None = None, offload: bool = False,
+                 light_tile: int | None = None, boundaries_on_device: int = 0,
+                 prefetch: bool = False):
+        if attention not in ("fused", "chunked"):
+            raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
+        if tile is not None and tile < 1:
+            raise ValueError(f"tile must be a positive number of tokens, not {tile}")
+        if offload and not tile:
+            raise ValueError("offload needs a tile size: it is part of the tiled engine")
+        if (light_tile and not tile) or (boundaries_on_device and not offload):
+            raise ValueError("light_tile needs a tile size and boundaries_on_device needs offload")
+        if tile:
+            attention = "chunked"  # the tiled engine always runs chunked attention
+        self.g, self.L, self.B, self.attention = geom, seq_len, batch_size, attention
+        self.tile, self.offload = (min(int(tile), seq_len) if tile else None), bool(offload)
+        self.light = min(int(light_tile or tile), seq_len) if tile else None
+        self.boundaries_on_device = int(boundaries_on_device)
+        self.prefetch = self.offload and prefetch
+        self.coef = coef or Coefficients()
+        s, L, B = geom.dtype_bytes, seq_len, batch_size
+        self.hidden_bytes = B * L * geom.hidden * s  # one [B, L, hidden] boundary
+        layers = geom.layers
+        if self.tile:
+            self.act = np.array([self._tiled_layer(g) for g in layers], float)
+            self.bwd = np.zeros(len(layers))
+        else:
+            self.act = np.array([B * L * g.act_elems * s for g in layers], float)
+            self.bwd = np.array([B * L * g.bwd_elems * s for g in layers], float)
+        ret, trans = zip(*(self._attention(g) for g in layers))
+        self.attn_retained, self.attn_transient = np.array(ret), np.array(trans)
+        self.kv_bytes = {d: 2 * B * L * layers[d].kv_width * s for d in geom.sharers()}
+        # A stored segment boundary on the device, and what a segment's backward always holds
+        # besides its transient: its own input boundary and dh (untiled), or only dh (tiled:
+        # the segment's inputs are part of its transient).
+        self.boundary_bytes = 0.0 if self.offload else float(self.hidden_bytes)
+        self.fixed_bytes = float(self.hidden_bytes if self.tile else 2 * self.hidden_bytes)
+        if self.prefetch:  # the next segment's boundary, fetched back while this one runs
+            self.fixed_bytes += self.hidden_bytes
+
+    def _pre_elems(self, g: LayerGeom) -> int:
+        """Elements per token of the pre pass's VJP on one light tile: its input, norm and
+        projections (Q, own K/V, before and after norms and RoPE) and their cotangents."""
+        return 2 * (3 * self.g.hidden + 3 * (g.q_width + 2 * g.kv_own))
+
+    def whole_sequence_bytes(self, g: LayerGeom) -> float:
+        """What a tiled layer's backward holds over the whole sequence (bench/
+        tiled_layer_memory.py measures it): Q, dO, dQ, the own K, V, float32 dK/dV, their
+        update copies and casts, rowsum(dO * O) and the post pass's dh."""
+        s = self.g.dtype_bytes
+        return float(self.B * self.L * (3 * g.q_width * s + 2 * g.kv_own * s
+                                         + 2 * g.kv_width * (8 + s) + g.heads * 4)
+                     + self.hidden_bytes)
+
+    def _tiled_layer(self, g: LayerGeom) -> float:
+        """One tiled layer's backward, bytes: Q, dO, dQ and the own K, V over the whole sequence,
+        float32 dK/dV accumulators, their update copies and casts, rowsum(dO * O), dh_in, one
+        tile's activations and cotangents (the post pass's on a tile, or the pre pass's on a
+        light tile), and (offload) the layer's per-layer input fetched back."""
+        s, L, B = self.g.dtype_bytes, self.L, self.B
+        whole = self.whole_sequence_bytes(g)
+        tile = self.coef.activation * B * self.tile * (g.act_elems + g.bwd_elems) * s
+        light = self.coef.activation * B * self.light * self._pre_elems(g) * s
+        pli = B * L * self.g.per_layer_width // max(1, self.g.num_layers) * s
+        # offload: this layer's per-layer input fetched back (and the next one's, prefetching)
+        fetched = (2 if self.prefetch else 1) * pli if self.offload else 0
+        return float(whole + max(tile, light) + fetched)
+
+    def forward_bytes(self) -> float:
+        """The tiled forward's worst layer, bytes: Q, K, V, O over the whole sequence and its
+        output, one light tile of the post pass (at most its kept activations: nothing is
+        kept, so this bounds what is alive) or the attention forward's scores."""
+        s, L, B = self.g.dtype_bytes, self.L, self.B
+        worst = 0.0
+        for g, attn in zip(self.g.layers, self.attn_transient):
+            whole = B * L * (2 * g.q_width + 2 * g.kv_own) * s + self.hidden_bytes
+            light = self.coef.activation * B * self.light * g.act_elems * s
+            worst = max(worst, whole + max(light, attn / 2))
+        return float(worst)
+
+    def _attention(self, g: LayerGeom) -> tuple[float, float]:
+        """(kept until the layer's backward, transient during it) for one layer, in bytes."""
+        B, L, s = self.B, self.L, self.g.dtype_bytes
+        if self.attention == "fused":
+            scores = B * g.heads * L * L * s
+            return FUSED_RETAINED_COPIES * scores, FUSED_TRANSIENT_COPIES * scores
+        window = g.window if g.window is not None and g.window < L else None
+        chunk = _chunk_size(B, g.heads, L, window)
+        visible = L if window is None else min(L, chunk + window - 1)
+        scores = CHUNKED_SCORE_COPIES * B * g.heads * chunk * visible * 4
+        if self.tile:  # the whole-sequence arrays are counted in _tiled_layer
+            return 0.0, scores
+        linear = B * L * (2 * g.kv_width * 4 + g.heads * g.head_dim * s)  # dK, dV f32 + dQ
+        return 0.0, scores + linear
+
+    # --- memory ---------------------------------------------------------------------------
+
+    def per_layer_input_bytes(self) -> float:
+        return float(self.B * self.L * self.g.per_layer_width * self.g.dtype_bytes)
+
+    def constants(self) -> float:
+        """Alive for the whole step besides the boundaries: per-layer inputs and masks (and, tiled,
+        every donor's K/V)."""
+        g, L = self.g, self.L
+        if self.tile:
+            pli = 0.0 if self.offload else self.per_layer_input_bytes()
+            return pli + float(sum(self.kv_bytes.values()))
+        windows = {x.window for x in g.layers if x.window is not None and x.window < L}
+        masks = L * L * len(windows) if self.attention == "fused" else 0  # bool [L, L]
+        return float(self.per_layer_input_bytes() + masks)
+
+    def segment_matrix(self) -> np.ndarray:
+        """S[a, b]: the transient of segment [a, b)'s backward, for all 0 <= a < b <= N (inf
+        elsewhere). Untiled: its activations, attention, h_out and dh_in; tiled: the recomputed
+        inputs of its layers up to the one running, plus that layer's backward."""
+        n, c = self.g.num_layers, self.coef
+        S = np.full((n + 1, n + 1), np.inf)
+        if self.tile:
+            per_layer = self.act + c.attention_transient * self.attn_transient
+            for a in range(n):
+                inner = (np.arange(a, n) - a + 1) * self.hidden_bytes
+                S[a, a + 1:] = np.maximum.accumulate(inner + per_layer[a:])
+            return S
+        cum_act = np.concatenate([[0.0], np.cumsum(self.act)])
+        cum_ret = np.concatenate([[0.0], np.cumsum(self.attn_retained)])
+        for a in range(n):
+            peak = np.maximum.accumulate(self.attn_transient[a:])
+            bwd = np.maximum.accumulate(self.bwd[a:])
+            b = np.arange(a + 1, n + 1)
+            S[a, a + 1:] = (c.activation * (cum_act[b] - cum_act[a] + bwd)
+                            + c.attention * (cum_ret[b] - cum_ret[a])
+                            + c.attention_transient * peak
+                            + 2 * self.hidden_bytes)
+        return S
+
+    def head_bytes(self) -> float:
+        """Transient of the chunked loss head: one chunk of logits, dh and its update copy."""
+        g = self.g
+        rows = max(1, min(self.B * (self.L - 1), HEAD_MAX_ELEMENTS // g.vocab))
+        copies = HEAD_COPIES + (SOFTCAP_COPIES if g.softcap else 0.0)
+        return copies * rows * g.vocab * g.dtype_bytes + 2 * self.hidden_bytes
+
+    def embed_bytes(self) -> float:
+        """Prologue transient: the per-layer inputs are built through ~3 full-size temporaries
+        (tiled: tile by tile, then split per layer, up to MAX_PENDING slices waiting for their
+        copy to the host if offloaded)."""
+        pli = self.per_layer_input_bytes()
+        if self.tile:
+            waiting = MAX_PENDING * pli / max(1, self.g.num_layers) if self.offload else 0.0
+            return pli + waiting + self.hidden_bytes
+        return 3.0 * pli
+
+    def kept(self, n_segments: int) -> int:
+        """Boundaries on the device: all without offload, else the last `boundaries_on_device`."""
+        return n_segments if not self.offload else min(self.boundaries_on_device, n_segments)
+
+    def host_bytes(self, n_segments: int) -> float:
+        """Host memory of an offloaded step: one boundary per parked segment, the per-layer
+        inputs and the per-layer embedding table."""
+        if not self.offload:
+            return 0.0
+        parked = n_segments - self.kept(n_segments)
+        return float(parked * self.hidden_bytes + self.per_layer_input_bytes()
+                     + self.g.table_bytes)
+
+    def resting(self) -> tuple[float, float]:
+        """(weights incl. LoRA factors, LoRA grads + AdamW's two float32 moments); offload
+        keeps the per-layer embedding table in host memory."""
+        weights = self.g.weight_bytes - (self.g.table_bytes if self.offload else 0)
+        return float(weights), float(self.g.lora_params * 4 * 3)
+
+    def saved_donors(self, segments: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+        """Donor -> indices of later segments that read its saved K/V (tiled: every donor's K/V
+        is kept, and read by the segments of its sharers)."""
+        seg_of = {i: k for k, (a, b) in enumerate(segments) for i in range(a, b)}
+        out: dict[int, list[int]] = {}
+        for d, readers in self.g.sharers().items():
+            ks = sorted({seg_of[r] for r in readers if self.tile or seg_of[r] != seg_of[d]})
+            if ks:
+                out[d] = ks
+        return out
+
+    def evaluate(self, segments: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """Predicted peak (bytes), its breakdown and the event where it happens."""
+        n_seg = len(segments)
+        weights, lora_opt = self.resting()
+        saved = self.saved_donors(segments)
+        kv_saved = 0.0 if self.tile else sum(self.kv_bytes[d] for d in saved)  # tiled: constant
+        const = self.constants() + kv_saved
+        hb = self.hidden_bytes
+        first_kept = n_seg - self.kept(n_seg)  # boundaries k >= this one live on the device
+
+        def on_device(k: int) -> float:  # bytes of the boundaries of segments 0..k-1
+            return max(0, k - first_kept) * hb
+
+        S = self.segment_matrix()
+        seg_t = [float(S[a, b]) for a, b in segments]
+        events = [("embedding", float(hb), self.embed_bytes() + (0.0 if self.tile else hb)),
+                  ("loss head", on_device(n_seg) + hb, self.head_bytes())]
+        if self.tile:  # offload: up to MAX_PENDING boundaries' device copies await the host
+            waiting = MAX_PENDING * hb if self.offload else 0.0
+            events.append(("layer forward", on_device(n_seg) + waiting, self.forward_bytes()))
+        for k, (_, b) in enumerate(segments):
+            pending = sum(self.kv_bytes[d] for d in saved if d < b)  # dK/dV not yet consumed
+            events.append((f"segment {k} backward", on_device(k) + self.fixed_bytes + pending,
+                           seg_t[k]))
+        name, alive, transient = max(events, key=lambda e: e[1] + e[2])
+        peak = weights + lora_opt + const + alive + transient
+        return dict(
+            peak=peak, peak_at=name,
+            breakdown=dict(weights=weights, lora_optimizer=lora_opt, boundaries=const + alive,
+                           worst_segment=max(seg_t), head=self.head_bytes()),
+            saved=saved, segment_bytes=seg_t,
+        )
+
+    # --- time -----------------------------------------------------------------------------
+
+    def _flops(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward, backward, q/k/v projection forward) FLOPs of each layer for the whole batch
+        (fused: the attention MLX's plain backward runs; chunked: ours)."""
+        L, B = self.L, self.B
+        fwd, bwd, qkv = [], [], []
+        for g in self.g.layers:
+            quant = 1.0 + 0.02 * g.bits if g.bits else 1.0  # dequantization work, a guess
+            lin = g.linear_flops * quant * L * B
+            if self.attention == "fused":  # the composed fallback scores every key
+                keys, ratio = L, BWD_ATTN_FUSED
+            else:
+                chunk = _chunk_size(B, g.heads, L, g.window if g.window and g.window < L
+                                    else None)
+                keys = (L + chunk) / 2 if g.window is None or g.window >= L \
+                    else min(L, g.window + chunk / 2)
+                ratio = BWD_ATTN_CHUNKED
+            attn = 4.0 * g.heads * g.head_dim * keys * L * B
+            fwd.append(lin + attn)
+            bwd.append(BWD_LINEAR * lin + ratio * attn)
+            qkv.append(g.qkv_flops * quant * L * B)
+        return np.array(fwd), np.array(bwd), np.array(qkv)
+
+    def relative_step_time(self, segments: Sequence[tuple[int, int]]) -> float:
+        """Segmented step time over one plain forward+backward (same loss head).
+
+        Untiled: the recompute costs one forward in total. Tiled: the forward is the layer's
+        own (the post pass's Q/K/V projections feed nothing, so MLX never computes them); a
+        layer's backward recomputes Q/K/V and the attention output, runs the post pass, its
+        VJP, attention's VJP and the pre pass's VJP (which recomputes Q/K/V once more); and
+        each segment first recomputes the inputs of its layers above the first.
+        """
+        fwd, bwd, qkv = self._flops()
+        rows = self.B * (self.L - 1)
+        head = 2.0 * self.g.hidden * self.g.vocab * rows * 3  # forward + dX
+        base = fwd.sum() + bwd.sum() + head
+        n_seg = len(segments)
+        if not self.tile:
+            return float(1.0 + fwd.sum() / base + SEGMENT_OVERHEAD * n_seg)
+        vjp = fwd + bwd + qkv  # recompute + post/attention/pre VJPs + the pre-VJP's Q/K/V
+        inner = sum(fwd[a:b - 1].sum() for a, b in segments)
+        return float((fwd.sum() + vjp.sum() + inner + head) / base + SEGMENT_OVERHEAD * n_seg)

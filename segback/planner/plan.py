@@ -1,0 +1,173 @@
+"""`plan_segments`: the planner's API, from a model (or config, geometry, checkpoint) and a
+sequence length to a `segback.engine.Plan`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from segback.engine.options import EngineOptions
+from segback.engine.plan import Plan, segments_of
+from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
+from segback.planner.cost import Coefficients, CostModel
+from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
+from segback.planner.search import choose, most_kept, pick, search_space, tile_configs
+
+
+def plan_segments(
+    model_or_config: nn.Module | dict | str,
+    seq_len: int,
+    batch_size: int = 1,
+    target_gb: float | None = None,
+    time_budget: float | None = None,
+    calibrate: bool = False,
+    lora_rank: int = 8,
+    lora_layers: int | None = None,
+    dtype: str | None = None,
+    attention: str = "fused",
+    quant_bits: int | None = None,
+    calibration_lengths: Sequence[int] = CALIBRATION_LENGTHS,
+    coefficients: Coefficients | dict | None = None,
+    segments: Any = None,
+    tile: int | str | None = None,
+    offload: bool | str = False,
+    light_tile: int | None = None,
+    boundaries_on_device: int | str = "auto",
+    options: EngineOptions | None = None,
+) -> Plan:
+    """Plan the segments of a segmented backward and the engine options that run them.
+
+    `model_or_config` is an mlx-lm model, a config dict, a geometry name (segback.models.geometry)
+    or an MLX checkpoint directory; the last three are read lazily, nothing is materialized.
+    `quant_bits` quantizes a config/geometry (a model or checkpoint carries its own bits);
+    calibrating a config/geometry builds it with random weights.
+    `coefficients` reuses an earlier calibration (a plan's `inputs.calibration`); `segments`
+    (ranges or layers per segment, as the engine takes them) skips the search and only predicts.
+    `tile` (tokens) plans the sequence-tiled engine, `offload` with host-parked boundaries;
+    `tile="auto"` (and `offload="auto"`) also weigh untiled and every tile size of TILE_SIZES
+    (with and without offload): with a target, the fastest that meets it, else the smallest
+    peak. `light_tile` plans the tiled engine's light passes on their own tile (default: the
+    tile); `boundaries_on_device` keeps the last N segments' boundaries on the device, "auto"
+    (default) as many as the target leaves room for (none without one). `options` carries the
+    run-time engine options (compile, shared traces, tiles in flight, prefetch, head chunk) into
+    the plan; the planner fills in what it chose.
+    """
+    if seq_len < 2:
+        raise ValueError("seq_len must be at least 2")
+    runtime = options or EngineOptions()
+    tile, offload, boundaries_on_device = search_space(tile, offload, light_tile,
+                                                       boundaries_on_device)
+    configs = tile_configs(seq_len, attention, tile, offload)
+    if calibrate and _is_lazy_random(model_or_config):  # measuring needs real weights
+        from segback.models.geometry import build_model, geometry_config
+
+        if dtype is None:  # bfloat16 matmuls are slow on CPU
+            dtype = "bfloat16" if mx.default_device() == mx.gpu else "float32"
+        config = model_or_config if isinstance(model_or_config, dict) \
+            else geometry_config(model_or_config)
+        model_id = str(model_or_config if isinstance(model_or_config, str)
+                       else config["model_type"])
+        model_or_config = build_model(config, dtype=DTYPES[dtype], quantize_bits=quant_bits)
+        model_or_config.freeze()  # calibration attaches LoRA to the layers it measures
+    else:
+        model_id = None
+    model, default_id = resolve_model(model_or_config, dtype, quant_bits)
+    model_id = model_id or default_id
+    geom = read_geometry(model, lora_rank, lora_layers, dtype, model_id)
+    coef = Coefficients(**coefficients) if isinstance(coefficients, dict) else \
+        coefficients or Coefficients()
+    if calibrate:
+        kinds = {att for att, _, _ in configs}  # measure the attention the plan will run
+        coef = fit_coefficients(model, geom, batch_size, lora_rank,
+                                kinds.pop() if len(kinds) == 1 else attention,
+                                calibration_lengths)
+    given = segments
+    options = []  # (cost, segments, meets_target, meets_time, message) per configuration
+    for att, t, off in configs:  # boundaries kept on the device are chosen after the cut
+        cost = CostModel(geom, seq_len, batch_size, att, coef, t, off,
+                         light_tile if t else None, prefetch=runtime.prefetch and off)
+        if given is None:
+            options.append((cost, *choose(cost, target_gb, time_budget)))
+            continue
+        segs = segments_of(given, geom.num_layers)
+        peak = cost.evaluate(segs)["peak"]
+        options.append((cost, segs, target_gb is None or peak <= target_gb * GB,
+                        time_budget is None or cost.relative_step_time(segs) <= time_budget,
+                        f"given plan of {len(segs)} segments: {peak / GB:.2f} GB"))
+    cost, segments, meets_target, meets_time, message = pick(options, target_gb)
+    if cost.offload and boundaries_on_device == "auto":
+        if target_gb is not None and meets_target:
+            cost.boundaries_on_device = most_kept(cost, segments, target_gb)
+    elif cost.offload:
+        cost.boundaries_on_device = boundaries_on_device
+        meets_target = target_gb is None or cost.evaluate(segments)["peak"] <= target_gb * GB
+    if cost.offload and cost.boundaries_on_device:
+        message += f"; the last {cost.kept(len(segments))} boundaries stay on the device"
+    if len(options) > 1:
+        what = f"tile {cost.tile}" + (", offload" if cost.offload else "") if cost.tile \
+            else "untiled"
+        message = f"{what} (best of {len(options)} configurations): {message}"
+    ev = cost.evaluate(segments)
+    sharers = geom.sharers()
+    saved_kv = [dict(donor=d, kind=geom.layers[d].kind, read_by_segments=ks,
+                     sharer_layers=sharers[d], gb=cost.kv_bytes[d] / GB)
+                for d, ks in sorted(ev["saved"].items())]
+    engine = runtime.replace(
+        attention=cost.attention, tile=cost.tile, offload=cost.offload,
+        light_tile=cost.light if cost.tile and cost.light != cost.tile else None,
+        boundaries_on_device=cost.kept(len(segments)) if cost.offload else 0)
+    return Plan(
+        segments=[(a, b) for a, b in segments],
+        engine=engine,
+        saved_kv=saved_kv,
+        predicted_peak_gb=ev["peak"] / GB,
+        breakdown={k: v / GB for k, v in ev["breakdown"].items()},
+        peak_at=ev["peak_at"],
+        segment_gb=[x / GB for x in ev["segment_bytes"]],
+        predicted_relative_step_time=cost.relative_step_time(segments),
+        predicted_host_gb=cost.host_bytes(len(segments)) / GB,
+        meets_target=bool(meets_target),
+        meets_time_budget=bool(meets_time),
+        message=message,
+        layer_types=[g.kind for g in geom.layers],
+        inputs=dict(
+            model=model_id,
+            model_type=geom.model_type,
+            num_layers=geom.num_layers,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            target_gb=target_gb,
+            time_budget=time_budget,
+            dtype=geom.dtype,
+            attention=attention,
+            tile=tile,
+            offload=offload,
+            light_tile=light_tile,
+            boundaries_on_device=boundaries_on_device,
+            lora_rank=lora_rank,
+            lora_layers=lora_layers,
+            quant_bits=quant_bits if quant_bits is not None else
+            (geom.quant_bits[0] if len(geom.quant_bits) == 1 else geom.quant_bits or None),
+            calibration=asdict(coef) if coef.calibrated else None,
+        ),
+    )
+
+
+def _is_lazy_random(model_or_config: Any) -> bool:
+    """A config dict or geometry name (an nn.Module is a dict too, hence the first check)."""
+    if isinstance(model_or_config, nn.Module):
+        return False
+    return isinstance(model_or_config, dict) or not Path(model_or_config).is_dir()
+
+
+def describe(plan: Plan) -> str:
+    """One line per segment, for humans."""
+    lines = [plan.message]
+    for (a, b), gb in zip(plan.segments, plan.segment_gb):
+        kinds = "".join("F" if plan.layer_types[i] == FULL else "s" for i in range(a, b))
+        lines.append(f"  [{a:>2}, {b:>2}) {kinds:<8} {gb:7.2f} GB")
+    return "\n".join(lines)
