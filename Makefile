@@ -12,7 +12,7 @@ $(BIN)/segback: pyproject.toml
 		apt-get update -qq && apt-get install -y -qq libopenblas0-pthread; fi
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[experiment,dev]"
 	@touch $@
 
 setup: $(BIN)/segback

@@ -107,6 +107,8 @@ def plan_of(plan: dict, source: str) -> dict:
     if "segments" not in plan:
         raise ResultError(f"{source}: missing plan field `segments`")
     out = {k: _number(v) for k, v in plan.items() if _is_scalar(v)}
+    engine = plan.get("engine") if isinstance(plan.get("engine"), dict) else {}
+    out.update({k: _number(v) for k, v in engine.items() if _is_scalar(v)})  # how it ran
     out["segments"] = normalize_segments(plan["segments"], source)
     out.setdefault("predicted_peak_gb", None)
     return out
