@@ -18,10 +18,10 @@ $(BIN)/segback: pyproject.toml
 setup: $(BIN)/segback
 
 run: setup
-	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores 1 --rerun-incomplete --configfile $(CONFIG)
+	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores all --rerun-incomplete --configfile $(CONFIG)
 
 report: setup
-	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores 1 --report results/report.html --configfile $(CONFIG)
+	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores all --report results/report.html --configfile $(CONFIG)
 
 test: setup
 	$(BIN)/ruff check segback tests

@@ -14,7 +14,7 @@ rule baseline_eval:
         "results/logs/{model}/baseline_eval.log",
     benchmark:
         "results/benchmarks/{model}/baseline_eval.tsv"
-    threads: 2
+    threads: HEAVY_THREADS
     resources:
         mem_mb=MEM_MB,
         gpu=GPU,
@@ -37,7 +37,7 @@ rule finetuned_eval:
         "results/logs/{model}/seq{seq}/finetuned_eval.log",
     benchmark:
         "results/benchmarks/{model}/seq{seq}/finetuned_eval.tsv"
-    threads: 2
+    threads: HEAVY_THREADS
     resources:
         mem_mb=MEM_MB,
         gpu=GPU,

@@ -13,7 +13,7 @@ rule prepare_model:
         "results/logs/{model}/prepare_model.log",
     benchmark:
         "results/benchmarks/{model}/prepare_model.tsv"
-    threads: 2
+    threads: HEAVY_THREADS
     resources:
         mem_mb=MEM_MB,
     shell:
