@@ -9,7 +9,12 @@
 # Everything that depends on the training length `seq` has `seq{seq}` in its path, so changing
 # `seq` re-runs exactly the seq-dependent rules.
 
-from snakemake.utils import min_version, validate
+import os
+import sys
+
+from snakemake.utils import min_version
+
+from segback.config_check import ConfigError, check_config
 
 min_version("9.0")
 
@@ -17,7 +22,10 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "workflow/schemas/config.schema.json")
+try:
+    check_config(config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.json"))
+except ConfigError as e:  # one paragraph, no traceback
+    sys.exit(str(e))
 
 
 report: "workflow/report/workflow.rst"
