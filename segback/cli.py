@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("segback.chunking.generate", "generate chunkings for a test set"),
     "score": ("segback.chunking.scorer", "score predictions against gold chunks"),
     "plan": ("segback.planner.cli", "plan segments for a model, length and memory target"),
-    "train": ("segback.train", "train a LoRA adapter with segmented backward"),
+    "train": ("segback.trainer.cli", "train a LoRA adapter with segmented backward"),
     "export": ("segback.export", "export an adapter (mlx-lm, PEFT, fused)"),
     "bench": ("segback.bench", "benchmark mlx-lm full/checkpoint vs segmented backward"),
     "summarize": ("segback.results", "assemble the experiment's result JSON"),

@@ -44,3 +44,18 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path):
     assert time.perf_counter() - tic < 1.0
     with exclusive(tmp_path):  # and released again on exit
         pass
+
+
+def test_second_trainer_on_the_same_adapter_path_is_refused(tmp_path):
+    """`segback train` holds its --adapter-path: a second one exits at once, naming the first."""
+    proc = _holder(tmp_path)
+    try:
+        out = subprocess.run([sys.executable, "-m", "segback.cli", "train", "--model",
+                              "tiny-llama", "--data", str(tmp_path / "nodata"),
+                              "--adapter-path", str(tmp_path), "--iters", "1"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2
+        assert f"is being written by process {proc.pid}" in out.stderr, out.stderr
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,4 +1,6 @@
-"""Trainer and data: formats, masking, batch order, loss goes down, exact resume, NaN guard."""
+"""Trainer and data: formats, masking, batch order, loss goes down, exact resume, NaN guard.
+
+The trainer's options, mlx-lm parity and interop live in tests/test_trainer_*.py."""
 
 from __future__ import annotations
 
@@ -13,8 +15,7 @@ from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.utils import load_tokenizer
 from test_adapters import WORDS, make_model_dir, make_tokenizer
 
-import segback.engine
-from segback import train as trainer
+from segback.trainer import TrainConfig, TrainingDiverged, cli, loop
 from segback.data import (
     ByteTokenizer,
     DataError,
@@ -111,7 +112,7 @@ def test_data_errors(tok, tmp_path):
     with pytest.raises(DataError, match="is empty"):
         load_dataset(tmp_path, tok, 64)
     write_jsonl(tmp_path / "train.jsonl", [{"text": "alpha"}, {"question": "q", "answer": "a"}])
-    with pytest.raises(DataError, match=r"(?s)train.jsonl row 2: unknown format \(keys: "
+    with pytest.raises(DataError, match=r"(?s)train.jsonl(:| row )2: unknown format \(keys: "
                                         r"\['answer', 'question'\]\).*messages.*prompt.*"
                                         r"completion.*text"):
         load_dataset(tmp_path, tok, 64)
@@ -138,12 +139,12 @@ def test_batch_order_is_a_pure_function_of_seed_and_index(tok):
     assert len(perms) == 4
 
 
-# ---- training ---------------------------------------------------------------------------------
+# ---- training ----------------------------------------------------------------------------------
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    trainer.add_arguments(p)
+    cli.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -160,28 +161,35 @@ def data_dir(tmp_path_factory) -> Path:
     return path
 
 
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_cli_training_lowers_loss_and_writes_mlx_lm_adapter(model_dir, data_dir, tmp_path):
     from mlx_lm import load
 
     out = tmp_path / "ad"
-    rc = trainer.main(parse([
+    rc = cli.main(parse([
         "--model", str(model_dir), "--data", str(data_dir), "--adapter-path", str(out),
-        "--plan", "2", "--seq", "64", "--iters", "12", "--batch-size", "4",
-        "--learning-rate", "3e-3", "--warmup", "2", "--val-every", "6", "--val-batches", "2",
-        "--save-every", "4", "--no-progress"]))
+        "--plan", "2", "--max-seq-length", "64", "--iters", "12", "--batch-size", "4",
+        "--learning-rate", "3e-3", "--warmup", "2", "--steps-per-eval", "6",
+        "--val-batches", "2", "--save-every", "4", "--no-progress"]))
     assert rc == 0
     s = json.loads((out / "train_summary.json").read_text())
     assert s["steps"] == 12 and s["segments"] == [[0, 2], [2, 4]] and s["seq"] == 64
     assert s["final_loss"] < s["first_loss"] - 0.5
     assert s["val_loss"] < s["first_val_loss"]
     assert s["peak_gb"] > 0 and s["tokens"] > 0 and s["tokens_per_second"] > 0
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert s["blas_threads"] >= 1 and s["dtype"] == "float32" and s["resumed_from"] is None
+    log = read_log(out / "train_log.jsonl")
     steps = [r for r in log if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert {"step", "loss", "lr", "tokens", "seconds", "peak_gb", "active_gb",
             "cache_gb"} <= set(steps[0])
     assert [r["step"] for r in log if "val_loss" in r] == [0, 6, 12]
-    assert steps[0]["lr"] < steps[1]["lr"] and steps[-1]["lr"] < steps[2]["lr"]  # warmup, cosine
+    # warmup from lr / 3 to the peak, then cosine decay
+    assert [r["lr"] for r in steps[:4]] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3])
+    assert steps[-1]["lr"] < steps[4]["lr"] < steps[3]["lr"]
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["step_000004", "step_000008", "step_000012"]
     assert {p.name for p in (out / "checkpoints/step_000012").iterdir()} == {
@@ -196,165 +204,159 @@ def test_cli_training_lowers_loss_and_writes_mlx_lm_adapter(model_dir, data_dir,
                                   trained["model.layers.3.self_attn.q_proj.lora_b"])
 
 
-def small_cfg(out: Path, **kw) -> dict:
-    return dict(model="tiny-llama", adapter_path=str(out), plan=2, seq=64, iters=6, batch_size=2,
-                grad_accum=2, learning_rate=1e-2, warmup=1, lora_rank=4, lora_dropout=0.1,
-                val_every=0, save_every=2, progress=False) | kw
+def small_cfg(out: Path, **kw) -> TrainConfig:
+    return TrainConfig.from_dict(dict(
+        model="tiny-llama", data="rows", adapter_path=str(out), plan=2, max_seq_length=64,
+        iters=6, batch_size=2, grad_accumulation_steps=2, learning_rate=1e-2, warmup=1,
+        lora_rank=4, lora_dropout=0.1, steps_per_eval=0, steps_per_report=1, save_every=2,
+        progress=False) | kw)
+
+
+def tiny_run(cfg: TrainConfig, rows: list[dict], grad_fn=None, callback=None, model=None
+             ) -> dict:
+    """What `segback train` does, on rows and a random tiny-llama (ByteTokenizer)."""
+    model = model or build_model("tiny-llama")
+    cli.attach(model, cfg)
+    train_set = loop.as_dataset(rows, ByteTokenizer(), cfg, "train")
+    return loop.train(model, cli.build_optimizer(cfg), train_set, None, cfg,
+                      grad_fn or loop.segmented_grad_fn(cli.resolve_plan(cfg, model)),
+                      training_callback=callback)
 
 
 class Killed(Exception):
     pass
 
 
-def test_resume_gives_the_same_adapter_bit_for_bit(tmp_path):
-    rows = chat_rows(9)  # 4 batches of 2 per epoch: 12 micro-batches cross epochs
-    tok = ByteTokenizer()
+class KillAt:
+    """mlx-lm's TrainingCallback that raises at a step's report (after its log record, before
+    its checkpoint), as a kill would."""
 
-    def run(out: Path, callback=None) -> dict:
-        return trainer.train(build_model("tiny-llama"), tok, rows, None, small_cfg(out),
-                             callback=callback)
+    def __init__(self, step: int):
+        self.step = step
 
-    full = run(tmp_path / "full")
-
-    def kill(step, record):
-        if step == 3:  # after checkpoint 2: step 3's work is lost, as in a real kill
+    def on_train_loss_report(self, info: dict) -> None:
+        if info["iteration"] == self.step:
             raise Killed
 
-    with pytest.raises(Killed):
-        run(tmp_path / "resumed", kill)
+    def on_val_loss_report(self, info: dict) -> None:
+        pass
+
+
+def test_resume_gives_the_same_adapter_bit_for_bit(tmp_path):
+    rows = chat_rows(9)  # 4 batches of 2 per epoch: 12 micro-batches cross epochs
+    full = tiny_run(small_cfg(tmp_path / "full"), rows)
+    with pytest.raises(Killed):  # after checkpoint 2: step 3's work is lost
+        tiny_run(small_cfg(tmp_path / "resumed"), rows, callback=KillAt(3))
     assert not (tmp_path / "resumed/adapters.safetensors").exists()
-    resumed = run(tmp_path / "resumed")
-    assert resumed["resumed_from"].endswith("step_000002")
+    resumed = tiny_run(small_cfg(tmp_path / "resumed"), rows)
+    assert resumed["resumed_from"] == 2
 
     a = mx.load(str(tmp_path / "full/adapters.safetensors"))
     b = mx.load(str(tmp_path / "resumed/adapters.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)
-    log_a = [json.loads(x) for x in (tmp_path / "full/train_log.jsonl").read_text().splitlines()]
-    log_b = [json.loads(x) for x in (tmp_path / "resumed/train_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log_b] == list(range(1, 7))  # step 3 replayed once, not twice
-    assert [r["loss"] for r in log_a] == [r["loss"] for r in log_b]
+    log_a = read_log(tmp_path / "full/train_log.jsonl")
+    log_b = read_log(tmp_path / "resumed/train_log.jsonl")
+    assert [r["step"] for r in log_b if "loss" in r] == list(range(1, 7))  # 3 replayed once
+    assert [r for r in log_b if "resumed_from" in r][0]["resumed_from"] == 2
+    assert [r["loss"] for r in log_a] == [r["loss"] for r in log_b if "loss" in r]
     assert full["tokens"] == resumed["tokens"] and full["final_loss"] == resumed["final_loss"]
 
 
-def test_resume_refuses_changed_settings(tmp_path):
-    tok, rows = ByteTokenizer(), chat_rows(4)
-    cfg = small_cfg(tmp_path, lora_dropout=0.0) | {"iters": 2, "grad_accum": 1}
-    trainer.train(build_model("tiny-llama"), tok, rows, None, cfg)
-    with pytest.raises(ValueError, match="batch_size: 2 -> 1"):
-        trainer.train(build_model("tiny-llama"), tok, rows, None, cfg | {"batch_size": 1})
-    again = trainer.train(build_model("tiny-llama"), tok, rows, None, cfg | {"resume": False})
-    assert again["resumed_from"] is None
-
-
-def test_nan_guard_stops_and_keeps_last_good_checkpoint(model_dir, data_dir, tmp_path,
-                                                        monkeypatch, capsys):
-    real = segback.engine.value_and_grad
+def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     calls = []
 
-    def poisoned(model, batch, lengths, segments, **kwargs):
-        (loss, ntoks), grads = real(model, batch, lengths, segments, **kwargs)
+    def poisoned(model, batch, lengths):
+        (loss, ntoks), grads = segmented(model, batch, lengths)
         calls.append(1)
         return (loss * (mx.nan if len(calls) == 5 else 1.0), ntoks), grads  # step 5's batch
 
-    monkeypatch.setattr(segback.engine, "value_and_grad", poisoned)
-    out = tmp_path / "ad"
-    rc = trainer.main(parse([
-        "--model", str(model_dir), "--data", str(data_dir), "--adapter-path", str(out),
-        "--plan", "1", "--seq", "64", "--iters", "8", "--batch-size", "2", "--save-every", "2",
-        "--val-every", "0", "--no-progress"]))
-    assert rc != 0
-    err = capsys.readouterr().err
-    assert "diverged at step 5" in err and "step_000004" in err
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002",
-                                                                      "step_000004"]
-    good = mx.load(str(out / "checkpoints/step_000004/adapters.safetensors"))
+    segmented = loop.segmented_grad_fn(1)
+    cfg = small_cfg(tmp_path, iters=8, grad_accumulation_steps=1)
+    with pytest.raises(TrainingDiverged, match="diverged at step 5.*step_000004"):
+        tiny_run(cfg, chat_rows(4), grad_fn=poisoned)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_000002", "step_000004"]
+    good = mx.load(str(tmp_path / "checkpoints/step_000004/adapters.safetensors"))
     assert all(np.isfinite(np.array(v)).all() for v in good.values())
-    assert json.loads((out / "checkpoints/step_000004/state.json").read_text())["step"] == 4
-    assert not (out / "adapters.safetensors").exists()
-    assert not (out / "train_summary.json").exists()
-    last = json.loads((out / "train_log.jsonl").read_text().splitlines()[-1])
+    assert json.loads((tmp_path / "checkpoints/step_000004/state.json").read_text())["step"] == 4
+    assert not (tmp_path / "adapters.safetensors").exists()
+    assert not (tmp_path / "train_summary.json").exists()
+    last = read_log(tmp_path / "train_log.jsonl")[-1]
     assert last["step"] == 5 and "diverged" in last["error"]
+
+
+def test_cli_errors_are_one_line(model_dir, data_dir, tmp_path, capsys):
+    rc = cli.main(parse(["--model", str(model_dir), "--data", str(data_dir), "--adapter-path",
+                         str(tmp_path), "--plan", "2", "--tile", "auto"]))
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs --plan auto" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_validation_loss_equals_mlx_lm_default_loss(tok):
     ds = encode_rows(tok, chat_rows(5), max_len=64)
     model = build_model("tiny-llama")
     batch, lengths = collate(ds.examples, 64)
-    total, count = trainer.eval_loss(model, batch, lengths)
+    total, count = loop.eval_loss(model, batch, lengths)
     loss, ntoks = default_loss(model, batch, lengths)
     assert count == ntoks.item()
     np.testing.assert_allclose(total / count, loss.item(), rtol=1e-5)
 
 
-def test_yaml_config_and_cli_precedence(tmp_path):
-    (tmp_path / "c.yaml").write_text(
-        "model: tiny-llama\ndata: d\nadapter-path: o\nlearning_rate: 1e-5\nlora-rank: 16\n"
-        "lora_keys: [self_attn.q_proj]\n")
-    cfg = trainer.config_from_args(parse(["--config", str(tmp_path / "c.yaml"), "--lora-rank",
-                                          "4", "--no-resume"]))
-    assert cfg.learning_rate == 1e-5 and cfg.lora_rank == 4 and cfg.resume is False
-    assert cfg.adapter_path == "o" and cfg.lora_keys == ["self_attn.q_proj"] and cfg.seq == 2048
-    with pytest.raises(ValueError, match="unknown training option"):
-        trainer.TrainConfig.from_dict({"learning_rat": 1})
-    with pytest.raises(ValueError, match="--data"):
-        trainer.config_from_args(parse(["--model", "tiny-llama", "--adapter-path", "o"]))
-
-
 def test_plan_engine_options_reach_the_engine(tmp_path):
-    """A plan's attention, tile and offload are what the trainer runs; the trainer's own options
-    fill in only what a plan does not say."""
+    """A plan's engine options are what the trainer runs; engine flags given go on top."""
     from segback.planner import plan_segments
-    from segback.train import resolve_plan
 
     model = build_model("tiny-llama")
-    plan = tmp_path / "plan.json"
-    plan.write_text('{"segments": [[0, 2], [2, 4]], "inputs": {"attention": "chunked"}}')
-    untiled = dict(attention="chunked", tile=None, offload=False, light_tile=None,
-                   offload_keep=0)
-    assert resolve_plan(str(plan), model, 64, 1) == ([(0, 2), (2, 4)], untiled)
-    assert resolve_plan("2", model, 64, 1) == ([(0, 2), (2, 4)], untiled | {"attention": "fused"})
-    assert resolve_plan("2", model, 64, 1, tile=16, offload=True)[1] == untiled | dict(
-        tile=16, offload=True)  # the tiled engine's attention is chunked
-    plan.write_text(json.dumps(plan_segments(model, 256, tile=64, offload=True)))
-    assert resolve_plan(str(plan), model, 256, 1)[1] == untiled | dict(tile=64, offload=True)
-    plan.write_text(json.dumps(plan_segments(model, 256, tile=64, offload=True, light_tile=128,
-                                             offload_keep=1)))
-    assert resolve_plan(str(plan), model, 256, 1)[1] == untiled | dict(
-        tile=64, offload=True, light_tile=128, offload_keep=1)  # a plan's own tiling runs
+
+    def plan(**kw):
+        return cli.resolve_plan(small_cfg(tmp_path, **kw), model)
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_segments(model, 64, batch_size=2, segments=2,
+                                             attention="chunked").to_dict()))
+    p = plan(plan=str(path))
+    assert p.segments == [(0, 2), (2, 4)] and p.engine.attention == "chunked"
+    assert plan(plan=str(path), attention="fused").engine.attention == "fused"  # flag wins
+    p = plan(plan="2", tile="16", offload="true")
+    assert (p.engine.tile, p.engine.offload, p.engine.attention) == (16, True, "chunked")
+    path.write_text(json.dumps(plan_segments(model, 256, 2, tile=64, offload=True,
+                                             light_tile=128, boundaries_on_device=1).to_dict()))
+    e = plan(plan=str(path), max_seq_length=256).engine
+    assert (e.tile, e.offload, e.light_tile, e.boundaries_on_device) == (64, True, 128, 1)
     with pytest.raises(ValueError, match="needs --plan auto"):
-        resolve_plan("2", model, 64, 1, tile="auto")
+        plan(plan="2", tile="auto")
     with pytest.raises(ValueError, match="--target-gb 1.0 needs --plan auto"):
-        resolve_plan(str(plan), model, 256, 1, target_gb=1.0)
-    # --plan auto: the planner's choice runs, untiled included; a target keeps boundaries on
-    # the device (offload_keep "auto"), none without one
-    auto = resolve_plan("auto", model, 256, 1, tile="auto", offload="auto")[1]
-    want = plan_segments(model, 256, tile="auto", offload="auto")
-    assert auto["tile"] == want["tile"] and auto["offload"] == bool(want["offload"])
-    assert resolve_plan("auto", model, 256, 1, tile=64, offload=True)[1]["offload_keep"] == 0
-    kept = resolve_plan("auto", model, 256, 1, tile=64, offload=True, target_gb=1.0)
-    assert kept == ([(0, 1), (1, 2), (2, 3), (3, 4)],
-                    untiled | dict(tile=64, offload=True, offload_keep=4))
-    with pytest.raises(ValueError, match="target_gb must be a number of GB > 0"):
-        trainer.TrainConfig(target_gb=0)
-    with pytest.raises(ValueError, match="tile must be"):
-        trainer.TrainConfig(tile="big")
-    with pytest.raises(ValueError, match="compile must be 'auto', 'on' or 'off'"):
-        trainer.TrainConfig(compile="fast")
+        plan(plan=str(path), target_gb=1.0)
+    with pytest.raises(ValueError, match="sequences of 256 tokens"):
+        plan(plan=str(path), max_seq_length=512)  # a plan made for shorter sequences
+    # --plan auto: the planner's choice runs; a target keeps boundaries on the device
+    auto = plan(plan="auto", max_seq_length=256, tile="auto", offload="auto")
+    want = plan_segments(model, 256, 2, tile="auto", offload="auto")
+    assert auto.engine == want.engine and auto.segments == want.segments
+    assert plan(plan="auto", max_seq_length=256, tile="64",
+                offload="true").engine.boundaries_on_device == 0
+    kept = plan(plan="auto", max_seq_length=256, tile="64", offload="true", target_gb=1.0)
+    assert kept.segments == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert kept.engine.boundaries_on_device == 4
 
 
 def test_tiled_training_matches_untiled(tmp_path, capsys):
     """`--tile` trains the same run as the untiled engine: the same losses; the adapters agree
     up to what Adam (lr 1e-2, each step moves an entry up to 1e-2) makes of rounding."""
-    tok, rows = ByteTokenizer(), chat_rows(4)
+    rows = chat_rows(4)
     runs = {}
     for name, kw in [("plain", {}), ("tiled", dict(tile="16", offload="true")),
                      ("eager", dict(tile="16", offload="true", compile="off"))]:
-        cfg = small_cfg(tmp_path / name, lora_dropout=0.0, iters=3, grad_accum=1, **kw)
-        trainer.train(build_model("tiny-llama"), tok, rows, None, cfg)
-        log = (tmp_path / name / "train_log.jsonl").read_text().splitlines()
-        runs[name] = [json.loads(x)["loss"] for x in log]
+        cfg = small_cfg(tmp_path / name, lora_dropout=0.0, iters=3, grad_accumulation_steps=1,
+                        **kw)
+        model = build_model("tiny-llama")
+        cli.attach(model, cfg)
+        cli.describe(cli.resolve_plan(cfg, model), model, cfg)
+        tiny_run(cfg, rows)
+        runs[name] = [r["loss"] for r in read_log(tmp_path / name / "train_log.jsonl")]
     err = capsys.readouterr().err
     assert "tiles of 16 tokens, compiled tile functions, boundaries in host memory" in err
     assert "tiles of 16 tokens, eager tile functions" in err

@@ -53,8 +53,8 @@ EDGES = {
 }
 STAGE_MODULES = (
     "segback.models.prepare", "segback.chunking.dataset", "segback.chunking.filter",
-    "segback.chunking.generate", "segback.chunking.scorer", "segback.planner", "segback.train",
-    "segback.export",
+    "segback.chunking.generate", "segback.chunking.scorer", "segback.planner",
+    "segback.trainer.cli", "segback.export",
 )
 
 
@@ -125,7 +125,8 @@ def test_config_schema_errors_name_the_key(tmp_path):
     bad = write_yaml(tmp_path / "bad.yaml", {"train": {"iterz": 3}})
     out = snakemake(tmp_path, "-n", "--configfile", str(CONFIG), str(bad), check=False)
     assert out.returncode != 0
-    assert "'iterz' was unexpected" in out.stdout, out.stdout[-2000:]
+    assert "unknown key `train.iterz`: did you mean `iters`?" in out.stdout, out.stdout[-2000:]
+    assert "additionalProperties" not in out.stdout  # one line per key, no schema dump
     out = snakemake(tmp_path, "-n", "--configfile", str(CONFIG), "--config", "seq=long",
                     check=False)
     assert out.returncode != 0 and "'long' is not of type 'integer'" in out.stdout
@@ -288,7 +289,7 @@ FAKE_SEGBACK = textwrap.dedent('''
         (out / "adapters.safetensors").write_bytes(b"")
         steps = int(a["iters"])
         dump(out / "train_summary.json", {
-            "steps": steps, "seq": int(a["seq"]), "batch_size": 1,
+            "steps": steps, "seq": int(a["max_seq_length"]), "batch_size": 1,
             "segments": json.load(open(a["plan"]))["segments"], "peak_gb": 0.25,
             "seconds": 1.0, "tokens": 100, "first_loss": 5.0, "final_loss": 4.0,
             "val_loss": 4.2, "tokens_per_second": 100.0})

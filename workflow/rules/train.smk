@@ -28,7 +28,7 @@ rule plan_segments:
         "results/logs/{model}/seq{seq}/plan_segments.log",
     benchmark:
         "results/benchmarks/{model}/seq{seq}/plan_segments.tsv"
-    threads: 2
+    threads: HEAVY_THREADS
     resources:
         mem_mb=MEM_MB,
         gpu=GPU,
@@ -53,35 +53,36 @@ rule train_lora:
         seq=lambda w: int(w.seq),
         iters=TRAIN["iters"],
         batch_size=TRAIN["batch_size"],
-        grad_accum=TRAIN["grad_accum"],
+        grad_accumulation_steps=TRAIN["grad_accum"],
         learning_rate=TRAIN["learning_rate"],
         warmup=TRAIN["warmup"],
         lora_rank=TRAIN["lora_rank"],
         lora_scale=TRAIN["lora_scale"],
         lora_dropout=TRAIN["lora_dropout"],
         num_layers=TRAIN["num_layers"],
-        val_every=TRAIN["val_every"],
+        steps_per_eval=TRAIN["val_every"],
         save_every=TRAIN["save_every"],
         seed=TRAIN["seed"],
-        compile={True: "on", False: "off"}.get(TRAIN["compile"], TRAIN["compile"]),
+        compile=TRAIN.get("compile", "auto"),  # auto, on/off or true/false: the trainer reads each
     log:
         "results/logs/{model}/seq{seq}/train_lora.log",
     benchmark:
         "results/benchmarks/{model}/seq{seq}/train_lora.tsv"
-    threads: 2
+    threads: HEAVY_THREADS
     resources:
         mem_mb=MEM_MB,
         gpu=GPU,
     shell:
-        "segback train --model {input.model} --data {params.data}"
-        " --adapter-path {output.adapter} --plan {input.plan} --seq {params.seq}"
+        "segback train --train --model {input.model} --data {params.data}"
+        " --adapter-path {output.adapter} --plan {input.plan} --max-seq-length {params.seq}"
         " --iters {params.iters} --batch-size {params.batch_size}"
-        " --grad-accum {params.grad_accum} --learning-rate {params.learning_rate}"
-        " --warmup {params.warmup} --lora-rank {params.lora_rank}"
+        " --grad-accumulation-steps {params.grad_accumulation_steps}"
+        " --learning-rate {params.learning_rate} --warmup {params.warmup}"
+        " --fine-tune-type lora --lora-rank {params.lora_rank}"
         " --lora-scale {params.lora_scale} --lora-dropout {params.lora_dropout}"
-        " --num-layers {params.num_layers} --val-every {params.val_every}"
-        " --save-every {params.save_every} --seed {params.seed} --compile {params.compile}"
-        " --log {output.log} > {log} 2>&1"
+        " --num-layers {params.num_layers} --mask-prompt"
+        " --steps-per-eval {params.steps_per_eval} --save-every {params.save_every}"
+        " --seed {params.seed} --compile {params.compile} --log {output.log} > {log} 2>&1"
 
 
 rule export_adapter:

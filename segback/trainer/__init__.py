@@ -1,0 +1,14 @@
+"""`segback train`: LoRA, DoRA and full fine-tuning with the segmented backward, mlx-lm's options.
+
+- `config`: every option declared once (`TrainConfig`); the CLI and config files come from it;
+- `loop`: the training loop (`train(model, optimizer, train_set, val_set, args, grad_fn)`);
+- `checkpoints`: the run directory (checkpoints, log, bit-exact resume, final adapter);
+- `cli`: options -> model, plan, optimizer, data -> loop (`segback train`).
+"""
+
+from segback.trainer.checkpoints import ResumeError, TrainingDiverged
+from segback.trainer.config import ConfigError, TrainConfig
+from segback.trainer.loop import evaluate, segmented_grad_fn, train
+
+__all__ = ["ConfigError", "ResumeError", "TrainConfig", "TrainingDiverged", "evaluate",
+           "segmented_grad_fn", "train"]

@@ -1,0 +1,265 @@
+"""The run directory: checkpoints, the JSONL log, resume, and the final adapter.
+
+ADAPTER_PATH/
+  adapters.safetensors, adapter_config.json   mlx-lm's layout (written when the run finishes)
+  checkpoints/step_{k:06d}/                   adapter + optimizer state + state.json (last)
+  train_log.jsonl                             one record per step / validation / resume
+  train_summary.json                          the finished run
+
+A checkpoint holds everything a bit-exact resume needs besides (seed, step), which fix the data
+order and dropout: the trainable weights and the optimizer state. Resume refuses a checkpoint
+made for another model, data, dtype or a setting that fixes the data order or the adapter's
+shape; a different BLAS thread count only warns (float sums may then round differently).
+Every file is written atomically (temp + rename); a checkpoint directory is complete once its
+state.json exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from segback.adapters import CONFIG_FILE, WEIGHTS_FILE, save_safetensors_atomic
+from segback.io import atomic_write_json, atomic_write_text, read_json
+
+CHECKPOINTS = "checkpoints"
+SUMMARY = "train_summary.json"
+# Options that fix the data order, the adapter's shape or its meaning: a resume must match.
+RESUME_KEYS = ("model", "data", "fine_tune_type", "num_layers", "lora_parameters", "seed",
+               "batch_size", "grad_accumulation_steps", "max_seq_length", "mask_prompt",
+               "optimizer", "resume_adapter_file", "prompt_feature", "completion_feature",
+               "chat_feature", "text_feature", "hf_dataset")
+
+
+class TrainingDiverged(RuntimeError):
+    """Loss, gradient norm or weights became NaN/inf; the last good checkpoint is kept."""
+
+
+class ResumeError(ValueError):
+    """The newest checkpoint was made for other settings than this run's."""
+
+
+def blas_threads() -> int:
+    """Threads OpenBLAS uses: OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        if os.environ.get(var, "").strip().isdigit():
+            return int(os.environ[var])
+    return os.cpu_count() or 1
+
+
+def data_fingerprint(dataset: Any) -> str:
+    """sha256 of the tokenized examples (ids and loss offsets): changes with the data."""
+    h = hashlib.sha256()
+    for ids, offset in dataset.examples:
+        h.update(json.dumps([offset, list(ids)]).encode())
+    return h.hexdigest()
+
+
+def model_dtype(model: nn.Module) -> str:
+    """The dtype of the model's floating base weights."""
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return str(v.dtype).removeprefix("mlx.core.")
+    return "none"
+
+
+def identity(args: Any, model: nn.Module, train_set: Any) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it."""
+    return {**{k: getattr(args, k, None) for k in RESUME_KEYS},
+            "dtype": model_dtype(model), "data_sha256": data_fingerprint(train_set)}
+
+
+def check_resume(saved: dict, current: dict, path: Path) -> None:
+    changed = [k for k in current if saved.get(k) != current[k]]
+    if changed:
+        what = ", ".join(f"{k}: {_short(saved.get(k))} -> {_short(current[k])}" for k in changed)
+        raise ResumeError(f"cannot resume from {path}: {what} changed; use --no-resume or "
+                          "another --adapter-path")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:16] + "..." + s[-8:]
+
+
+def trainable_weights(model: nn.Module) -> dict[str, mx.array]:
+    """What mlx-lm saves as the adapter: the trainable parameters (LoRA/DoRA leaves, or the
+    unfrozen layers for --fine-tune-type full)."""
+    return dict(tree_flatten(model.trainable_parameters()))
+
+
+def save_adapter(model: nn.Module, path: Path, config: dict) -> None:
+    """adapters.safetensors + adapter_config.json, atomically, as mlx_lm.lora writes them."""
+    save_safetensors_atomic(path / WEIGHTS_FILE, trainable_weights(model))
+    atomic_write_json(path / CONFIG_FILE, config)
+
+
+class JsonlLog:
+    """Append-only JSONL: one write + flush per record, so a kill loses at most a partial line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past `step` (a resumed run replays them) and any torn last line."""
+        keep = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.get("step", 0) <= step:
+                    keep.append(line + "\n")
+        atomic_write_text(self.path, "".join(keep))
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+
+def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (state.json is written last), oldest first."""
+    found = []
+    for p in (out / CHECKPOINTS).glob("step_*"):
+        m = re.fullmatch(r"step_(\d+)", p.name)
+        if m and (p / "state.json").exists():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: optim.Optimizer) -> dict:
+    """Restore trainable weights and optimizer state in place; return state.json."""
+    model.load_weights(list(mx.load(str(path / WEIGHTS_FILE)).items()), strict=False)
+    saved = mx.load(str(path / "optimizer.safetensors"))
+    optimizer.init(model.trainable_parameters())
+    missing = [k for k, _ in tree_flatten(optimizer.state) if k not in saved]
+    if missing:
+        raise ResumeError(f"{path}: optimizer state lacks {missing[:3]}... (another optimizer "
+                          "or adapter?)")
+    optimizer.state = tree_map_with_path(lambda k, v: saved[k], optimizer.state)
+    mx.eval(model.parameters(), optimizer.state)
+    return read_json(path / "state.json")
+
+
+class Run:
+    """One training run's directory: resume, log records, checkpoints, the finished adapter."""
+
+    def __init__(self, args: Any, model: nn.Module, train_set: Any):
+        self.args = args
+        self.out = Path(args.adapter_path)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = JsonlLog(Path(args.log) if args.log else self.out / "train_log.jsonl")
+        self.identity = identity(args, model, train_set)
+        self.threads = blas_threads()
+        self.last_saved: int | None = None
+        self.resumed_from: int | None = None
+
+    def adapter_config(self) -> dict:
+        """adapter_config.json: every option, as mlx_lm.lora writes its arguments there."""
+        cfg = self.args.to_dict() if hasattr(self.args, "to_dict") else dict(vars(self.args))
+        if cfg.get("fine_tune_type") == "full":
+            cfg["lora_parameters"] = None  # as mlx-lm
+        return cfg
+
+    def start(self, model: nn.Module, optimizer: optim.Optimizer, stats: dict) -> int:
+        """The step to continue after: the newest checkpoint's (restored into model, optimizer
+        and stats) when resuming, else 0 (old checkpoints and log removed)."""
+        for tmp in (self.out / CHECKPOINTS).glob(".tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        checkpoints = list_checkpoints(self.out)
+        start = 0
+        if checkpoints and self.args.resume:
+            start, path = checkpoints[-1]
+            if start > self.args.iters:
+                raise ResumeError(f"{path} is past --iters {self.args.iters}; use --no-resume "
+                                  "or more --iters")
+            state = read_json(path / "state.json")
+            if "identity" not in state:
+                raise ResumeError(f"{path} was written by an older segback train; use "
+                                  "--no-resume or another --adapter-path")
+            check_resume(state["identity"], self.identity, path)
+            if state.get("blas_threads") != self.threads:
+                print(f"segback: warning: {path} was trained with {state.get('blas_threads')} "
+                      f"BLAS threads, this run has {self.threads}: the result will not be "
+                      "bit-identical to an uninterrupted run (set OPENBLAS_NUM_THREADS)",
+                      file=sys.stderr)
+            if state["config"].get("iters") != self.args.iters or \
+                    state["config"].get("lr_schedule") != self.args.lr_schedule or \
+                    state["config"].get("learning_rate") != self.args.learning_rate:
+                print("segback: resuming with another --iters/--learning-rate/lr_schedule: the "
+                      "schedule changes from here on", file=sys.stderr)
+            stats.update(load_checkpoint(path, model, optimizer)["stats"])
+            self.last_saved = self.resumed_from = start
+            self.log.truncate_after(start)
+            self.log.write({"step": start, "resumed_from": start, "checkpoint": str(path),
+                            "blas_threads": self.threads})
+            print(f"segback: resuming from {path} (step {start})", file=sys.stderr)
+        else:
+            if checkpoints:
+                print(f"segback: --no-resume: removing {len(checkpoints)} old checkpoint(s)",
+                      file=sys.stderr)
+                shutil.rmtree(self.out / CHECKPOINTS, ignore_errors=True)
+            self.log.truncate_after(-1)
+        if start < self.args.iters:  # final files exist only for a finished run
+            for name in (WEIGHTS_FILE, CONFIG_FILE, SUMMARY):
+                (self.out / name).unlink(missing_ok=True)
+        return start
+
+    def save(self, step: int, model: nn.Module, optimizer: optim.Optimizer, stats: dict
+             ) -> Path:
+        """checkpoints/step_{k:06d}/ via a temp dir and a rename; prune old ones. Refuses
+        non-finite weights, so the last checkpoint is always a good one."""
+        bad = [k for k, v in trainable_weights(model).items()
+               if not mx.all(mx.isfinite(v)).item()]
+        if bad:
+            self.diverged(step, f"non-finite weights ({bad[0]} ...)")
+        root = self.out / CHECKPOINTS
+        final = root / f"step_{step:06d}"
+        tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_adapter(model, tmp, self.adapter_config())
+        save_safetensors_atomic(tmp / "optimizer.safetensors",
+                                dict(tree_flatten(optimizer.state)))
+        atomic_write_json(tmp / "state.json", {
+            "step": step, "config": self.adapter_config(), "identity": self.identity,
+            "blas_threads": self.threads, "stats": stats})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        keep = self.args.keep_checkpoints
+        if keep > 0:
+            for _, old in list_checkpoints(self.out)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.last_saved = step
+        return final
+
+    def diverged(self, step: int, what: str) -> NoReturn:
+        last = self.out / CHECKPOINTS / f"step_{self.last_saved or 0:06d}"
+        keep = f"the last good checkpoint is {last}" if self.last_saved else \
+            "no checkpoint was saved before it"
+        msg = (f"training diverged at step {step}: {what}; stopped ({keep}). "
+               "Try a lower --learning-rate, more --warmup or --grad-clip.")
+        self.log.write({"step": step, "error": msg})
+        raise TrainingDiverged(msg)
+
+    def finish(self, model: nn.Module, summary: dict) -> dict:
+        """The adapter in mlx-lm's layout and train_summary.json."""
+        save_adapter(model, self.out, self.adapter_config())
+        summary = {**summary, "resumed_from": self.resumed_from, "blas_threads": self.threads,
+                   "dtype": self.identity["dtype"], "adapter_path": str(self.out)}
+        atomic_write_json(self.out / SUMMARY, summary)
+        return summary

@@ -1,0 +1,251 @@
+"""`segback train`: from options to a model, a plan, an optimizer and data, then the loop.
+
+As `mlx_lm.lora`: `--train` fine-tunes (LoRA, DoRA or full), `--test` evaluates test loss and
+perplexity afterwards, or alone (on the adapter in --adapter-path, if there is one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+
+from segback.data import ByteTokenizer, DataError
+from segback.engine import EngineOptions, OptionsError, Plan, PlanError, segments_of
+from segback.engine.options import parse_value
+from segback.io import atomic_write_json
+from segback.trainer import loop
+from segback.trainer.checkpoints import SUMMARY, ResumeError, TrainingDiverged
+from segback.trainer.config import ConfigError, TrainConfig, add_arguments, from_args, \
+    split_engine
+from segback.lock import LockedError, exclusive
+
+__all__ = ["add_arguments", "main", "run"]
+
+OPTIMIZER_CLASSES = {"adam": optim.Adam, "adamw": optim.AdamW, "muon": optim.Muon,
+                     "sgd": optim.SGD, "adafactor": optim.Adafactor}  # as mlx_lm.lora
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = from_args(args)
+        with exclusive(cfg.adapter_path):  # one writer per adapter directory
+            result = run(cfg)
+    except TrainingDiverged as e:
+        print(f"segback train: {e}", file=sys.stderr)
+        return 3
+    except (ConfigError, DataError, ResumeError, OptionsError, PlanError, ValueError,
+            FileNotFoundError, ImportError, LockedError) as e:
+        print(f"segback train: error: {e}", file=sys.stderr)
+        return 2
+    keys = ("steps", "first_loss", "final_loss", "val_loss", "peak_gb", "seconds",
+            "tokens_per_second", "test_loss", "test_ppl")
+    print(json.dumps({k: result[k] for k in keys if k in result}))
+    return 0
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train and/or test as `cfg` says; returns the summary (and the test results)."""
+    callback = reporting_callback(cfg)
+    model, tokenizer = load_model(cfg.model)
+    train_set, valid_set, test_set = loop.load_data(cfg, tokenizer)
+    model.set_dtype(resolve_dtype(cfg.dtype))
+    result: dict[str, Any] = {}
+    if cfg.do_train:
+        if cfg.grad_checkpoint:
+            print("segback: --grad-checkpoint is not needed: the segmented backward keeps one "
+                  "segment's activations alive, which replaces gradient checkpointing",
+                  file=sys.stderr)
+        attach(model, cfg)
+        plan = resolve_plan(cfg, model)
+        describe(plan, model, cfg)
+        result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg,
+                            loop.segmented_grad_fn(plan), training_callback=callback)
+    elif (Path(cfg.adapter_path) / "adapter_config.json").exists():
+        from segback.adapters import mount
+
+        mount(model, cfg.adapter_path)
+    else:
+        print(f"segback: no adapter in {cfg.adapter_path}: testing the base model",
+              file=sys.stderr)
+    if cfg.test:
+        tested = loop.test(model, test_set, cfg)
+        print(f"Test loss {tested['test_loss']:.3f}, Test ppl {tested['test_ppl']:.3f}.",
+              file=sys.stderr)
+        atomic_write_json(Path(cfg.adapter_path) / "test_results.json", tested)
+        if cfg.do_train:
+            atomic_write_json(Path(cfg.adapter_path) / SUMMARY, result | tested)
+        result |= tested
+    return result
+
+
+# ---- from options to objects -----------------------------------------------------------------
+
+
+def reporting_callback(cfg: TrainConfig) -> Any:
+    """mlx-lm's wandb/swanlab callback for --report-to (None without it)."""
+    if not cfg.report_to:
+        return None
+    from mlx_lm.tuner.callbacks import get_reporting_callbacks
+
+    try:
+        return get_reporting_callbacks(cfg.report_to, project_name=cfg.project_name,
+                                       log_dir=cfg.adapter_path, config=cfg.to_dict())
+    except ImportError as e:
+        raise ConfigError(f"--report-to {cfg.report_to}: {e}") from None
+
+
+def resolve_dtype(name: str) -> mx.Dtype:
+    """`auto`: float32 on CPU (bf16 matmul is ~35x slower there), bfloat16 on GPU."""
+    if name == "auto":
+        return mx.bfloat16 if mx.default_device().type == mx.DeviceType.gpu else mx.float32
+    return getattr(mx, name)
+
+
+def load_model(spec: str) -> tuple[nn.Module, Any]:
+    """A checkpoint dir or a random geometry (`segback.models.load`), with a tokenizer.
+
+    Geometry models ship no tokenizer: they get `ByteTokenizer` (for smoke runs and benchmarks).
+    """
+    from segback.models.load import load
+
+    model, tokenizer = load(spec)
+    if tokenizer is None:
+        vocab = getattr(getattr(model, "args", None), "vocab_size", None) or 0
+        if vocab < 256:
+            raise ValueError(f"{spec}: no tokenizer, and vocab {vocab} < 256 rules out bytes")
+        tokenizer = ByteTokenizer()
+    return model, tokenizer
+
+
+def attach(model: nn.Module, cfg: TrainConfig) -> None:
+    """Freeze the base and make the trainable part exactly as `mlx_lm.lora` does: LoRA/DoRA
+    layers on the last --num-layers layers, or those layers unfrozen (full); then load
+    --resume-adapter-file."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from segback.adapters import adapter_modules
+
+    if adapter_modules(model):
+        raise ValueError("the model already has LoRA layers; pass a base model")
+    if cfg.num_layers > len(model.layers):
+        raise ValueError(f"--num-layers {cfg.num_layers} but the model has "
+                         f"{len(model.layers)} layers")
+    model.freeze()
+    mx.random.seed(cfg.seed)
+    if cfg.fine_tune_type == "full":
+        for layer in model.layers[-max(cfg.num_layers, 0):]:
+            layer.unfreeze()
+    else:
+        linear_to_lora_layers(model, cfg.num_layers, cfg.lora_parameters,
+                              use_dora=cfg.fine_tune_type == "dora")
+        if not adapter_modules(model):
+            raise ValueError(f"no layer matched lora_parameters.keys "
+                             f"{cfg.lora_parameters.get('keys')}")
+    if cfg.resume_adapter_file:
+        load_adapter_file(model, cfg.resume_adapter_file)
+
+
+def load_adapter_file(model: nn.Module, path: str) -> None:
+    """Trainable weights from a .safetensors file (mlx-lm's --resume-adapter-file); refuses
+    tensors the model does not train or of another shape."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--resume-adapter-file {path}: no such file")
+    weights = mx.load(path)
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    bad = [f"{k} {tuple(v.shape)}" for k, v in weights.items()
+           if k not in trainable or trainable[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"--resume-adapter-file {path} does not fit this adapter "
+                         f"(--fine-tune-type, --num-layers, rank, keys?): {', '.join(bad[:3])}")
+    print(f"segback: loading fine-tuned weights from {path}", file=sys.stderr)
+    model.load_weights(list(weights.items()), strict=False)
+    mx.eval(model.parameters())
+
+
+def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
+    """mlx_lm.lora's optimizer: the class of --optimizer with optimizer_config[name], on
+    mlx-lm's schedule (`build_schedule`) or a constant --learning-rate."""
+    from mlx_lm.tuner.utils import build_schedule
+
+    schedule = cfg.lr_schedule_config()
+    lr = build_schedule(schedule) if schedule else cfg.learning_rate
+    cls = OPTIMIZER_CLASSES[cfg.optimizer]
+    kwargs = cfg.optimizer_config.get(cfg.optimizer, {})
+    accepted = inspect.signature(cls.__init__).parameters
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        takes = [k for k in accepted if k not in ("self", "learning_rate")]
+        raise ConfigError(f"optimizer_config.{cfg.optimizer}: {cls.__name__} has no "
+                          f"{', '.join(unknown)} (it takes {', '.join(takes)})")
+    return cls(learning_rate=lr, **kwargs)
+
+
+def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
+    """The plan the engine runs, checked against the model: `--plan auto` asks the planner
+    (with what the engine flags say, 'auto' included), a file is read (flags given on top of
+    its engine options), N makes segments of N layers."""
+    from segback.engine.stack import get_stack
+
+    searched, runtime = split_engine(cfg.engine)
+    auto = {k for k, v in searched.items() if v == "auto"}
+    if cfg.plan != "auto":
+        if auto:
+            raise ConfigError(f"{', '.join(sorted(auto))} 'auto' needs --plan auto (the planner "
+                              "chooses them)")
+        if cfg.target_gb is not None:
+            raise ConfigError(f"--target-gb {cfg.target_gb} needs --plan auto (a given plan has "
+                              "its own target: make it with `segback plan --target-gb`)")
+    n = len(model.layers)
+    if cfg.plan == "auto":
+        from segback.planner import plan_segments
+
+        given = {k: _planner_value(k, v) for k, v in searched.items()}
+        fixed = EngineOptions.from_dict(runtime | {"attention": given.get("attention", "fused")},
+                                        "engine options")
+        plan = plan_segments(
+            model, cfg.max_seq_length, batch_size=cfg.batch_size, target_gb=cfg.target_gb,
+            lora_rank=cfg.lora_parameters["rank"],
+            lora_layers=None if cfg.num_layers < 0 else cfg.num_layers,
+            attention=fixed.attention, tile=given.get("tile"),
+            offload=given.get("offload", False), light_tile=given.get("light_tile"),
+            boundaries_on_device=given.get("boundaries_on_device", "auto"), options=fixed)
+    elif isinstance(cfg.plan, str):
+        plan = Plan.read(cfg.plan)
+        plan = plan.with_engine(EngineOptions.from_dict(
+            plan.engine.to_dict() | searched | runtime, f"{cfg.plan}: engine"))
+    else:
+        plan = Plan(segments=segments_of(cfg.plan, n),
+                    engine=EngineOptions.from_dict(searched | runtime, "engine options"))
+    plan.check(n, get_stack(model).layer_types, seq_len=cfg.max_seq_length,
+               batch_size=cfg.batch_size)
+    return plan
+
+
+def _planner_value(name: str, value: Any) -> Any:
+    """A --plan auto search input: 'auto', or the value parsed as the engine parses it."""
+    if value == "auto":
+        return value
+    return parse_value(EngineOptions.__dataclass_fields__[name], value)
+
+
+def describe(plan: Plan, model: nn.Module, cfg: TrainConfig) -> None:
+    e = plan.engine.resolved()
+    n = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    print(f"segback: {n / 1e6:.3f}M trainable parameters ({cfg.fine_tune_type}), "
+          f"{len(plan.segments)} segments {[tuple(s) for s in plan.segments]}, "
+          f"{e.attention} attention"
+          + (f", tiles of {e.tile} tokens, {'compiled' if e.compile else 'eager'} tile "
+             "functions" if e.tile else "")
+          + (f" ({e.light_tile} in the light passes)" if e.light_tile else "")
+          + (", boundaries in host memory" if e.offload else "")
+          + (f" but the last {e.boundaries_on_device}" if e.boundaries_on_device else "")
+          + f", optimizer {cfg.optimizer}", file=sys.stderr)
