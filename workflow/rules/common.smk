@@ -20,7 +20,8 @@ shell.prefix(f'set -euo pipefail; segback() {{{{ {_SEGBACK_ESCAPED} "$@"; }}}}; 
 # Model-running rules (prepare, plan, train, generate) take every core the user gives the
 # workflow (`--cores N` or `all`); Snakemake scales this down to --cores and sets
 # OMP_NUM_THREADS / OPENBLAS_NUM_THREADS to it, so `--cores 1` still runs them, one at a time.
-HEAVY_THREADS = max(1, int(workflow.cores or 1))
+def HEAVY_THREADS(wildcards):
+    return max(1, int(workflow.cores))
 
 MODEL = config["model"]
 SEQ = config["seq"]
