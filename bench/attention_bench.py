@@ -7,6 +7,8 @@ Prints one JSON line per (L, mask, path). Peak is measured above the resting inp
 
 e4b-like on a GPU: --device gpu --dtype bfloat16 --heads 8 --kv-heads 2 --head-dim 256
 --windows 0 512 (with MLX_MAX_OPS_PER_BUFFER=4 in the environment to bound CUDA's in-flight work).
+`--fused-forward` / `--no-fused-forward` is `chunked_sdpa(..., fused_forward=)`: the causal
+forward through mx.fast (default: on Metal only); the rows record what ran.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-import segback.engine.attention as attention
+from segback.bench import append_rows, with_provenance
 from segback.engine.attention import chunked_sdpa, default_chunk_size
 
 
@@ -42,7 +44,13 @@ def measure(path, L, window, args) -> dict:
     def fn(q, k, v):
         if path == "fused":
             return fused(q, k, v, scale, window)
-        return chunked_sdpa(q, k, v, scale, window=window, chunk_size=chunk)
+        return chunked_sdpa(q, k, v, scale, window=window, chunk_size=chunk,
+                            fused_forward=args.fused_forward)
+
+    # What chunked_sdpa runs: its forward goes through mx.fast when asked (default: Metal) for
+    # causal attention on the GPU.
+    asked = mx.metal.is_available() if args.fused_forward is None else args.fused_forward
+    fused_forward = asked and window is None and mx.default_device() == mx.gpu
 
     times, peak = [], 0
     for _ in range(args.repeats):
@@ -58,7 +66,7 @@ def measure(path, L, window, args) -> dict:
     return dict(
         path=path, L=L, mask="causal" if window is None else f"window={window}",
         chunk=None if path == "fused" else chunk,
-        fast_forward=None if path == "fused" else attention.FUSED_FORWARD,
+        fused_forward=None if path == "fused" else fused_forward,
         B=B, H=H, Hkv=Hkv, D=D, dtype=args.dtype,
         device=str(mx.default_device()), peak_mb=round(peak / 2**20, 1),
         seconds=round(min(times), 4),
@@ -70,7 +78,7 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--windows", type=int, nargs="+", default=[0, 256], help="0 = causal")
     p.add_argument("--paths", nargs="+", default=["fused", "chunked"], choices=["fused", "chunked"])
-    p.add_argument("--fast-forward", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--fused-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="chunked: causal forward through mx.fast (default: on Metal only)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4)
@@ -80,15 +88,23 @@ def main():
     p.add_argument("--chunk", type=int, default=None, help="default: default_chunk_size")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "gpu"], default=None)
+    p.add_argument("--out", default=None,
+                   help="also append the rows, with their provenance, to this JSON lines file "
+                   "(e.g. bench/data/runs.jsonl)")
+    p.add_argument("--config-name", default=None, help="row key \"config\"")
+    p.add_argument("--run", default=None, help="row key \"run\"")
     args = p.parse_args()
     if args.device:
         mx.set_default_device(getattr(mx, args.device))
-    if args.fast_forward is not None:
-        attention.FUSED_FORWARD = args.fast_forward
     for L in args.lengths:
         for w in args.windows:
             for path in args.paths:
-                print(json.dumps(measure(path, L, w or None, args)), flush=True)
+                row = measure(path, L, w or None, args)
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    append_rows(args.out, [with_provenance(
+                        row | {"script": "bench/attention_bench.py"}, args.config_name,
+                        args.run)])
 
 
 if __name__ == "__main__":

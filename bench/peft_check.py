@@ -2,9 +2,14 @@
 
 Run where torch, transformers and peft are installed (e.g. the GPU machine); prints one JSON
 line. mlx runs on its CPU device in float32 so the comparison is tight.
+
+    python bench/peft_check.py [--out bench/data/runs.jsonl]
 """
 
+import argparse
+import importlib.util
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -15,11 +20,23 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import save_config, save_model
 
 from segback.adapters import adapter_config, save_adapter
+from segback.bench import append_rows, with_provenance
 from segback.export import export_peft
 from segback.models.geometry import build_model, geometry_config
 
+NEEDS = ("torch", "transformers", "peft")
 
-def main() -> None:
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None,
+                   help="also append the row, with its provenance, to this JSON lines file")
+    args = p.parse_args()
+    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"peft_check: needs {', '.join(NEEDS)}; missing here: {', '.join(missing)} "
+              "(pip install torch transformers peft)", file=sys.stderr)
+        return 2
     mx.set_default_device(mx.cpu)
     tmp = Path(tempfile.mkdtemp())
     cfg = geometry_config("tiny-llama")
@@ -45,10 +62,14 @@ def main() -> None:
     with torch.no_grad():
         theirs = peft(torch.tensor(ids)).logits.numpy()
     err = float(np.abs(ours - theirs).max() / np.abs(ours).max())
-    print(json.dumps({"check": "peft_export_logits", "max_rel_err": err,
-                      "adapter_effect": float(np.abs(ours - np.array(
-                          build_model(cfg)(mx.array(ids)))).max()), "ok": err < 1e-4}))
+    row = {"check": "peft_export_logits", "max_rel_err": err,
+           "adapter_effect": float(np.abs(ours - np.array(build_model(cfg)(mx.array(ids)))).max()),
+           "ok": err < 1e-4}
+    print(json.dumps(row), flush=True)
+    if args.out:
+        append_rows(args.out, [with_provenance(row | {"script": "bench/peft_check.py"})])
+    return 0 if row["ok"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,17 +4,27 @@ Each mode runs in its own process (mlx-lm's `grad_checkpoint` patches the layer 
 peak counter and buffer cache are per process) on the same model, LoRA and data, and prints one
 JSON line: peak GB, resting GB, seconds per step (median after a warm-up step), tokens/s, the
 first step's loss (equal across modes) — or the error if the mode crashed.
+
+Every line starts with where it was measured (`provenance`): the UTC date, the git revision of
+this checkout ("-dirty" with uncommitted changes to tracked files), the machine (platform, CPU
+model, core count, host memory, GPU name and memory; no host name), the mlx and mlx-lm versions,
+and the sweep configuration (`--config-name`, see bench/sweep.py) and run label (`--run`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
+from pathlib import Path
+
 from segback.engine import options as engine_options
 from segback.planner.cli import SEARCHED
 
@@ -53,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ops-per-buffer", type=int, default=None,
                    help="MLX_MAX_OPS_PER_BUFFER for every mode (CUDA frees buffers per graph)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--config-name", default=None,
+                   help="name of the bench/sweep.py configuration this run is (row key "
+                   "\"config\")")
+    p.add_argument("--run", default=None,
+                   help="label shared by the rows of one sweep (row key \"run\")")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
@@ -128,6 +143,8 @@ def run_worker(args) -> dict:
         plan = _plan(args, model, engine_options.from_args(args, skip=SEARCHED))
         opts = plan.engine.resolved()
         row["predicted_peak_gb"] = plan.predicted_peak_gb or None
+        if args.target_gb is not None:
+            row["target_gb"], row["meets_target"] = args.target_gb, plan.meets_target
         row["segments"] = [list(r) for r in plan.segments]
         row.update(opts.to_dict())
         stats: dict = {}
@@ -166,11 +183,121 @@ def run_worker(args) -> dict:
     return row
 
 
+def git_revision(root: str | Path | None = None) -> str | None:
+    """Short revision of the checkout segback runs from, "-dirty" if a tracked file differs
+    from it; None outside a git checkout (an installed wheel) or without git."""
+    root = Path(root or Path(__file__).resolve().parents[1])
+    env = os.environ | {"GIT_OPTIONAL_LOCKS": "0"}  # read only: never touch a shared index
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *cmd], capture_output=True, text=True,
+                              check=True, timeout=30, env=env).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            return None  # segback is installed inside some other repository
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("-dirty" if dirty else "")
+
+
+_DEVICE_INFO = """import json, mlx.core as mx
+gpu = mx.cuda.is_available() or mx.metal.is_available()
+print(json.dumps({k: v for k, v in mx.device_info().items()} if gpu else None))"""
+
+
+def _gpu_info() -> dict | None:
+    """mlx's description of its GPU (None on a CPU-only mlx). Asked in a child process unless
+    mlx is loaded here already: a parent holding a GPU context would take device memory from
+    the modes it runs."""
+    if "mlx.core" in sys.modules:
+        import mlx.core as mx
+
+        try:
+            gpu = mx.cuda.is_available() or mx.metal.is_available()
+            return dict(mx.device_info()) if gpu else None
+        except (AttributeError, RuntimeError):  # an mlx without device_info
+            return None
+    try:
+        out = subprocess.run([sys.executable, "-c", _DEVICE_INFO], capture_output=True,
+                             text=True, timeout=120)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                                  capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or None
+
+
+@functools.cache
+def machine() -> dict:
+    """The machine, without its host name: platform, CPU model, cores, host memory, GPU."""
+    try:
+        host_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1)
+    except (ValueError, OSError, AttributeError):
+        host_gb = None
+    gpu = _gpu_info() or {}
+    gpu_bytes = gpu.get("total_memory") or gpu.get("memory_size")
+    return {"platform": f"{platform.system()}-{platform.machine()}", "cpu": _cpu_model(),
+            "cores": os.cpu_count(), "memory_gb": host_gb,
+            "gpu": gpu.get("device_name") or gpu.get("architecture") if gpu else None,
+            "gpu_memory_gb": round(gpu_bytes / 1024**3, 1) if gpu_bytes else None}
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _static_provenance() -> dict:
+    return {"git": git_revision(), "machine": machine(), "mlx": _version("mlx"),
+            "mlx_lm": _version("mlx-lm")}
+
+
+def provenance(config: str | None = None, run: str | None = None) -> dict:
+    """What every row of bench/data/runs.jsonl starts with (bench/ scripts use it too)."""
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **_static_provenance(), "config": config, "run": run}
+
+
+def with_provenance(row: dict, config: str | None = None, run: str | None = None) -> dict:
+    """`row` after its provenance; the row's own keys (e.g. the worker's "mlx") win."""
+    head = provenance(config, run)
+    return head | row | {k: head[k] for k in ("date", "config", "run")}
+
+
+def append_rows(path: str | Path, rows: list[dict]) -> None:
+    """Append JSON lines to `path` (one write: concurrent appenders do not interleave lines)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def _worker_argv(args, mode: str) -> list[str]:
     argv = [sys.executable, "-m", "segback.cli", "bench", "--worker", mode]
     for key, value in vars(args).items():
-        if key in ("worker", "out", "timeout", "modes", "command", "_module",
-                   "max_ops_per_buffer") or value is None or value is False:
+        if key in ("worker", "out", "timeout", "modes", "command", "_module", "config_name",
+                   "run", "max_ops_per_buffer") or value is None or value is False:
             continue
         if value is True:
             argv.append(f"--{key.replace('_', '-')}")
@@ -206,9 +333,8 @@ def main(args) -> int:
             row = {"mode": mode, "model": args.model, "seq": args.seq,
                    "error": f"timeout after {args.timeout}s"}
         row["wall_s"] = round(time.perf_counter() - tic, 1)
-        line = json.dumps(row)
-        print(line, flush=True)
+        row = with_provenance(row, args.config_name, args.run)
+        print(json.dumps(row), flush=True)
         if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+            append_rows(args.out, [row])
     return 0

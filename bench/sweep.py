@@ -1,0 +1,213 @@
+"""The benchmark sweep: every configuration bench/RESULTS.md reports, by name, each a fixed
+`segback bench` command whose rows are appended to bench/data/runs.jsonl (one row per mode, each
+with its date, git revision, machine, mlx / mlx-lm versions and this configuration's name).
+
+    python bench/sweep.py --list                    # names, machine, what each measures
+    python bench/sweep.py h200 --dry-run            # the commands of a group, not run
+    python bench/sweep.py tiled-8k ckpt-8k          # run two configurations
+    python bench/sweep.py smoke --out /tmp/runs.jsonl
+
+A name is a configuration or a group (`h200`, `h200-untiled`, `cpu`, `smoke`). The e4b
+configurations need an NVIDIA GPU with mlx-cuda (about 140 GB for the untiled ones); on a fresh
+machine run `warmup-4k` first, it JIT-builds the compiled tile functions' kernels for minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "bench" / "data" / "runs.jsonl"
+
+E4B = ("--model", "e4b", "--quant-bits", "4")
+# Segmented runs on CUDA: at most 4 ops per command buffer (mlx-cuda keeps a graph's buffers
+# alive until the graph has run, which at 4 ops stays small).
+SEG = ("--modes", "segmented", "--max-ops-per-buffer", "4")
+# The tiled engine as measured in bench/RESULTS.md: host-parked boundaries, compiled tile
+# functions (traces shared by layers of one structure and two tiles in flight are the defaults).
+TILED = (*SEG, "--offload", "--compile", "true")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    machine: str  # "h200" (e4b geometry on an NVIDIA GPU) or "cpu"
+    measures: str
+    commands: tuple[tuple[str, ...], ...]  # `segback bench` arguments, one invocation each
+
+
+def _e4b(seq: int, steps: int, *flags: str, timeout: int = 150) -> tuple[str, ...]:
+    return (*E4B, "--seq", str(seq), "--steps", str(steps), *flags, "--timeout", str(timeout))
+
+
+def _cpu(model: str, seq: int, steps: int, *flags: str) -> tuple[str, ...]:
+    return ("--model", model, "--seq", str(seq), "--steps", str(steps), *flags)
+
+
+CONFIGS = [
+    # --- H200, e4b geometry: the current table (sequence-tiled engine vs mlx-lm's checkpoint)
+    Config("warmup-4k", "h200",
+           "not a result: JIT-builds the CUDA kernels of the compiled tile-2048 functions on a "
+           "fresh machine (first step minutes) so the configurations after it time steady steps",
+           (_e4b(4096, 0, *TILED, "--tile", "2048", timeout=400),)),
+    Config("ckpt-8k", "h200",
+           "mlx-lm with grad_checkpoint (one checkpoint per layer) at 8191 tokens, the baseline "
+           "of every 8K ratio (at 8192 its [L, vocab] logits crash mlx-cuda: see untiled-8k)",
+           (_e4b(8191, 5, "--modes", "ckpt", timeout=120),)),
+    Config("tiled-8k", "h200",
+           "segback's 8K configuration: tile 2048, offload, compiled, boundaries kept on the "
+           "device as far as a 7.6 GB target allows (planner's segments)",
+           (_e4b(8192, 5, *TILED, "--tile", "2048", "--target-gb", "7.6", timeout=240),)),
+    Config("tiled-8k-eager", "h200",
+           "tiled-8k with eager tile functions (the CUDA default; no minutes of JIT on a fresh "
+           "machine)",
+           (_e4b(8192, 5, *SEG, "--offload", "--compile", "false", "--tile", "2048",
+                 "--target-gb", "7.6", timeout=240),)),
+    Config("auto-8k", "h200",
+           "defaults only: the planner chooses tile, offload, segments and kept boundaries for "
+           "a 7.6 GB target; the engine runs with the device's defaults",
+           (_e4b(8192, 5, *SEG, "--segments", "auto", "--tile", "auto", "--offload", "auto",
+                 "--target-gb", "7.6", timeout=300),)),
+    Config("tiled-16k", "h200", "tiled engine at 16K, tile 2048, no target (lowest peak)",
+           (_e4b(16384, 1, *TILED, "--tile", "2048"),)),
+    Config("tiled-16k-target", "h200",
+           "tiled-16k with an 8 GB target: boundaries kept on the device (faster, more memory)",
+           (_e4b(16384, 2, *TILED, "--tile", "2048", "--target-gb", "8"),)),
+    Config("tiled-32k", "h200", "tiled engine at 32K, tile 2048, no target",
+           (_e4b(32768, 1, *TILED, "--tile", "2048", timeout=200),)),
+    Config("tiled-32k-target", "h200", "tiled-32k with a 10.5 GB target (boundaries kept)",
+           (_e4b(32768, 1, *TILED, "--tile", "2048", "--target-gb", "10.5", timeout=200),)),
+    Config("tiled-64k", "h200", "tiled engine at 64K, tile 1024, the warm-up step only",
+           (_e4b(65536, 0, *TILED, "--tile", "1024", timeout=300),)),
+    Config("tiled-128k", "h200", "tiled engine at 128K, tile 1024, the warm-up step only",
+           (_e4b(131072, 0, *TILED, "--tile", "1024", timeout=500),)),
+    # --- H200, e4b geometry: the untiled engine against mlx-lm (README's first table)
+    Config("untiled-2k", "h200",
+           "mlx-lm full backward vs grad_checkpoint vs segback untiled (planner, fused "
+           "attention) at 2048",
+           (_e4b(2048, 2, "--modes", "full,ckpt,segmented"),)),
+    Config("untiled-4k", "h200", "untiled-2k at 4096",
+           (_e4b(4096, 2, "--modes", "full,ckpt,segmented"),)),
+    Config("untiled-8k", "h200",
+           "segback untiled (fused attention) at 8192, and mlx-lm's checkpointed step at 8192 "
+           "(its row records the crash)",
+           (_e4b(8192, 2, "--modes", "ckpt,segmented"),)),
+    Config("chunked-16k", "h200", "segback untiled with chunked attention (O(L) backward) at 16K",
+           (_e4b(16384, 1, *SEG, "--attention", "chunked", timeout=240),)),
+    Config("chunked-32k", "h200", "chunked-16k at 32K",
+           (_e4b(32768, 1, *SEG, "--attention", "chunked", timeout=240),)),
+    # --- CPU (float32; OpenBLAS preloaded by the segback command): the tables of RESULTS.md
+    Config("cpu-smoke", "cpu", "seconds: all three modes on tiny-llama at 256 tokens",
+           (_cpu("tiny-llama", 256, 1),)),
+    Config("cpu-smoke-tiled", "cpu",
+           "seconds: mlx-lm ckpt vs the tiled engine (tile 256, offload) on tiny-e4b at 1024",
+           (_cpu("tiny-e4b", 1024, 1, "--modes", "ckpt,segmented", "--tile", "256",
+                 "--offload"),)),
+    Config("cpu-table", "cpu",
+           "full vs ckpt vs segmented (planner, fused) on tiny-e4b and dense-256 at 1K-4K",
+           tuple(_cpu("tiny-e4b", L, 3) for L in (1024, 2048, 4096))
+           + tuple(_cpu("dense-256", L, 2) for L in (1024, 2048, 4096))),
+    Config("cpu-chunked", "cpu", "mlx-lm ckpt vs segmented with chunked attention, tiny-e4b 4K/8K",
+           tuple(_cpu("tiny-e4b", L, 1, "--modes", "ckpt,segmented", "--attention", "chunked")
+                 for L in (4096, 8192))),
+    Config("cpu-tiled", "cpu",
+           "tiny-e4b at 4K-16K: ckpt (4K, 8K), segmented chunked, tiled 1024, tiled 1024 + "
+           "offload",
+           tuple(c for L in (4096, 8192, 16384) for c in (
+               *((_cpu("tiny-e4b", L, 1, "--modes", "ckpt"),) if L < 16384 else ()),
+               _cpu("tiny-e4b", L, 1, "--modes", "segmented", "--attention", "chunked"),
+               _cpu("tiny-e4b", L, 1, "--modes", "segmented", "--tile", "1024"),
+               _cpu("tiny-e4b", L, 1, "--modes", "segmented", "--tile", "1024", "--offload"),
+           ))),
+    Config("cpu-e4b-slice", "cpu",
+           "hours: six e4b-width layers, ckpt vs chunked vs tiled 1024 (+ offload) at 4K, "
+           "chunked vs tiled + offload at 8K (about 10 GB of host memory)",
+           (_cpu("e4b-slice", 4096, 1, "--modes", "ckpt"),
+            _cpu("e4b-slice", 4096, 1, "--modes", "segmented", "--attention", "chunked"),
+            _cpu("e4b-slice", 4096, 1, "--modes", "segmented", "--tile", "1024"),
+            _cpu("e4b-slice", 4096, 1, "--modes", "segmented", "--tile", "1024", "--offload"),
+            _cpu("e4b-slice", 8192, 1, "--modes", "segmented", "--attention", "chunked"),
+            _cpu("e4b-slice", 8192, 1, "--modes", "segmented", "--tile", "1024", "--offload"))),
+]
+BY_NAME = {c.name: c for c in CONFIGS}
+GROUPS = {
+    "h200": [c.name for c in CONFIGS if c.machine == "h200" and not c.name.startswith(
+        ("untiled", "chunked"))],
+    "h200-untiled": [c.name for c in CONFIGS if c.name.startswith(("untiled", "chunked"))],
+    "cpu": ["cpu-table", "cpu-chunked", "cpu-tiled", "cpu-e4b-slice"],
+    "smoke": ["cpu-smoke", "cpu-smoke-tiled"],
+}
+
+
+def command(args: tuple[str, ...], name: str, out: str, run: str | None) -> list[str]:
+    """The `segback bench` arguments of one invocation, tagged and appending to `out`."""
+    tags = ["--config-name", name, "--out", out] + (["--run", run] if run else [])
+    return ["bench", *args, *tags]
+
+
+def resolve(names: list[str]) -> list[Config]:
+    picked: list[str] = []
+    for n in names:
+        for m in GROUPS.get(n, [n]):
+            if m not in BY_NAME:
+                known = ", ".join([*GROUPS, *BY_NAME])
+                raise SystemExit(f"sweep: unknown configuration {m!r}; known: {known}")
+            if m not in picked:
+                picked.append(m)
+    return [BY_NAME[m] for m in picked]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="groups: " + "; ".join(
+                                    f"{g} = {' '.join(ms)}" for g, ms in GROUPS.items()))
+    p.add_argument("names", nargs="*", help="configurations or groups to run (see --list)")
+    p.add_argument("--list", action="store_true", help="list the configurations and groups")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--out", default=str(RUNS.relative_to(ROOT)) if Path.cwd() == ROOT
+                   else str(RUNS), help="JSON lines file the rows are appended to "
+                   "(default: bench/data/runs.jsonl)")
+    p.add_argument("--run", default=None,
+                   help="label of this sweep in every row (default: sweep-<UTC time>)")
+    args = p.parse_args(argv)
+    if args.list:
+        width = max(len(c.name) for c in CONFIGS)
+        for c in CONFIGS:
+            print(f"{c.name:<{width}}  {c.machine:<4}  {c.measures}")
+        print()
+        for g, ms in GROUPS.items():
+            print(f"{g}: {' '.join(ms)}")
+        return 0
+    if not args.names:
+        p.error("name configurations or groups to run (--list shows them)")
+    configs = resolve(args.names)
+    run = args.run or "sweep-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    failed = []
+    for c in configs:
+        for bench_args in c.commands:
+            cmd = command(bench_args, c.name, args.out, None if args.dry_run else run)
+            print(shlex.join(["segback", *cmd]), flush=True)
+            if args.dry_run:
+                continue
+            tic = time.perf_counter()
+            rc = subprocess.run([sys.executable, "-m", "segback.cli", *cmd], cwd=Path.cwd()
+                                ).returncode
+            print(f"# {c.name}: exit {rc}, {time.perf_counter() - tic:.0f} s", flush=True)
+            if rc:
+                failed.append(c.name)
+    if failed:
+        print(f"sweep: failed: {' '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
