@@ -10,11 +10,20 @@ PEFT conventions (what `peft.PeftModel.from_pretrained` reads):
   multimodal text models as `language_model.model.*` where transformers has
   `model.language_model.*` (gemma3, gemma4): that prefix is swapped (see `PREFIX_MAP`).
 - `layers_to_transform` lists the adapted layers when LoRA sits on only the last N layers.
+- `base_model_name_or_path` is the base model's Hub id (--base-model-id, else a `base_model` /
+  `_name_or_path` Hub id in the model dir's config.json, which `prepare-model --source hub`
+  records), else the model's absolute local path, with a warning.
+
+The adapter is checked before anything is written (segback.adapters: config readable, tensors
+readable and finite, rank as configured, every tensor a parameter of the model's adapted modules
+with the same shape), and OUT is built in a scratch directory beside it and renamed into place.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -28,14 +37,25 @@ from segback.adapters import (
     EMBEDDING_TYPES,
     WEIGHTS_FILE,
     adapter_modules,
+    attach,
+    check_fits,
+    check_weights,
+    mount,
     read_config,
+    read_weights,
     save_safetensors_atomic,
+    validate_adapter,
 )
-from segback.io import atomic_write_bytes, atomic_write_json
+from segback.io import atomic_dir, atomic_write_json
 
 # mlx-lm module path prefix -> transformers module path prefix (first match wins).
 PREFIX_MAP = (("language_model.model.", "model.language_model."),)
 PEFT_WEIGHTS = "adapter_model.safetensors"
+OUT_PARTS = ("mlx", "peft", "fused")
+# config.json keys that may name the base model's Hub id (a model card's `base_model`, the
+# `_name_or_path` transformers records); only `org/name` values are taken as Hub ids.
+HUB_ID_KEYS = ("base_model", "_name_or_path")
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def hf_module_path(mlx_path: str) -> str:
@@ -54,24 +74,27 @@ def _layer_index(path: str) -> int | None:
     return None
 
 
-def module_kinds(model: nn.Module, adapter_path: str | Path) -> dict[str, str]:
-    """{module path: "linear" | "embedding"} of the adapter's layers, by mounting it on `model`.
+def adapted_kinds(model: nn.Module) -> dict[str, str]:
+    """{module path: "linear" | "embedding"} of the LoRA/DoRA layers attached to `model`.
 
     Shapes alone cannot tell a LoRA embedding ([vocab, r], [r, dim]) from a linear.
     """
     from mlx_lm.tuner.lora import LoRASwitchLinear
-    from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    cfg = read_config(adapter_path)
-    linear_to_lora_layers(model, cfg["num_layers"], cfg["lora_parameters"],
-                          use_dora=cfg.get("fine_tune_type") == "dora")
     kinds = {}
     for name, m in adapter_modules(model):
         if isinstance(m, LoRASwitchLinear):
             raise NotImplementedError(f"{name}: PEFT export of mixture-of-experts LoRA "
-                                      "(LoRASwitchLinear) is not supported")
+                                      "(LoRASwitchLinear) is not supported; pass --no-peft "
+                                      "for the mlx-lm copy (and --fuse for a fused model).")
         kinds[name] = "embedding" if isinstance(m, EMBEDDING_TYPES) else "linear"
     return kinds
+
+
+def module_kinds(model: nn.Module, adapter_path: str | Path) -> dict[str, str]:
+    """`adapted_kinds` after mounting the adapter's layers (checked) on `model`."""
+    validate_adapter(model, adapter_path)
+    return adapted_kinds(model)
 
 
 def to_peft(
@@ -150,29 +173,78 @@ def _load_base(model_spec: str, lazy: bool = True) -> nn.Module:
         return build_model(model_spec)
     from mlx_lm.utils import load_model
 
+    if not (Path(model_spec) / "config.json").is_file():
+        raise FileNotFoundError(f"--model {model_spec}: not a model directory (no config.json) "
+                                f"nor a geometry name; pass the base model directory the "
+                                f"adapter was trained on.")
     model, _ = load_model(Path(model_spec), lazy=lazy)
     return model
+
+
+def resolve_base_model(model_spec: str | None, given: str | None = None,
+                       warn: bool = True) -> str | None:
+    """What PEFT's `base_model_name_or_path` records: `given` (--base-model-id), else a Hub id
+    hinted by the model dir's config.json (`base_model`, `_name_or_path`), else the model's
+    absolute local path (with a warning: PEFT then only finds the base model on this machine).
+    """
+    if given:
+        return given
+    if not model_spec:
+        return None
+    path = Path(model_spec)
+    config_path = path / "config.json"
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            config = {}
+        for key in HUB_ID_KEYS:
+            hint = config.get(key) if isinstance(config, dict) else None
+            if isinstance(hint, str) and HUB_ID.fullmatch(hint) and not Path(hint).exists():
+                return hint
+        recorded = str(path.resolve())
+    else:
+        recorded = model_spec  # a geometry name
+    if warn:
+        print(f"segback export: warning: the PEFT adapter_config.json records "
+              f"base_model_name_or_path {recorded!r}, as no Hub id is known for the base model "
+              f"(no --base-model-id, and no Hub id in {'/'.join(HUB_ID_KEYS)} of "
+              f"{config_path}). Pass --base-model-id ORG/NAME so `PeftModel.from_pretrained` "
+              f"finds the base model elsewhere.", file=sys.stderr)
+    return recorded
+
+
+def _write_peft(out: Path, weights: dict[str, mx.array], config: dict,
+                kinds: dict[str, str] | None, base_model: str | None,
+                n_layers: int | None) -> dict:
+    tensors, peft_config = to_peft(weights, config, kinds, base_model, n_layers)
+    save_safetensors_atomic(out / PEFT_WEIGHTS, tensors, metadata={"format": "pt"})
+    atomic_write_json(out / CONFIG_FILE, peft_config)
+    return peft_config
+
+
+def _checked(model_spec: str | None, adapter: Path
+             ) -> tuple[dict, dict[str, mx.array], nn.Module | None]:
+    """(config, weights, base model with the adapter's layers attached) after every check."""
+    config = read_config(adapter)
+    weights = read_weights(adapter)
+    check_weights(weights, config, adapter)
+    model = None
+    if model_spec:
+        model = _load_base(model_spec)
+        attach(model, config, adapter)
+        check_fits(model, weights, config, adapter)
+    return config, weights, model
 
 
 def export_peft(model_spec: str | None, adapter: str | Path, out: str | Path,
                 base_model_name: str | None = None) -> dict:
     """Write OUT/adapter_model.safetensors + OUT/adapter_config.json in PEFT's format."""
-    config = read_config(adapter)
-    weights = mx.load(str(Path(adapter) / WEIGHTS_FILE))
-    kinds, n_layers = None, None
-    if model_spec:
-        model = _load_base(model_spec)
-        n_layers = len(model.layers)
-        kinds = module_kinds(model, adapter)
-        unknown = sorted({k.rsplit(".", 1)[0] for k in weights} - set(kinds))
-        if unknown:
-            raise ValueError(f"adapter modules not in the model: {unknown[:3]}")
-    tensors, peft_config = to_peft(weights, config, kinds, base_model_name or model_spec,
-                                   n_layers)
-    out = Path(out)
-    save_safetensors_atomic(out / PEFT_WEIGHTS, tensors, metadata={"format": "pt"})
-    atomic_write_json(out / CONFIG_FILE, peft_config)
-    return peft_config
+    config, weights, model = _checked(model_spec, Path(adapter))
+    kinds = adapted_kinds(model) if model is not None else None
+    n_layers = len(model.layers) if model is not None else None
+    return _write_peft(Path(out), weights, config, kinds,
+                       resolve_base_model(model_spec, base_model_name), n_layers)
 
 
 def export_fused(model_dir: str, adapter: str | Path, out: str | Path,
@@ -183,7 +255,9 @@ def export_fused(model_dir: str, adapter: str | Path, out: str | Path,
 
     if not Path(model_dir).is_dir():
         raise ValueError("--fuse needs --model to be a model directory (with a tokenizer)")
-    model, tokenizer, config = load(model_dir, adapter_path=str(adapter), return_config=True)
+    model, tokenizer, config = load(model_dir, return_config=True)
+    mount(model, adapter)
+    model.eval()
     fused = [(n, m.fuse(dequantize=dequantize)) for n, m in model.named_modules()
              if hasattr(m, "fuse")]
     if fused:
@@ -192,51 +266,75 @@ def export_fused(model_dir: str, adapter: str | Path, out: str | Path,
         model = dequantize_model(model)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
-    tmp = Path(out).with_name(f".{Path(out).name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save(tmp, model_dir, model, tokenizer, config, donate_model=False)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_dir(out) as tmp:
+        save(tmp, model_dir, model, tokenizer, config, donate_model=False)
+
+
+def _check_out(out: Path) -> None:
+    """OUT is replaced as a whole: refuse one that holds anything but an earlier export."""
+    if out.is_dir():
+        other = sorted(p.name for p in out.iterdir() if p.name not in OUT_PARTS)
+        if other:
+            raise FileExistsError(f"--out {out} exists and holds {', '.join(other[:3])}"
+                                  f"{' ...' if len(other) > 3 else ''}, which is not an export "
+                                  f"({'/'.join(OUT_PARTS)}): export replaces OUT as a whole, so "
+                                  f"pass a new or empty directory.")
+    elif out.exists():
+        raise FileExistsError(f"--out {out} exists and is not a directory; pass a new or empty "
+                              "directory.")
 
 
 def export(model: str | None, adapter: str | Path, out: str | Path, fuse: bool = False,
            peft: bool = True, base_model_name: str | None = None,
-           dequantize: bool = False) -> dict[str, Any]:
-    """OUT/mlx (copy), OUT/peft (PEFT format), OUT/fused (optional); returns what was written."""
+           dequantize: bool = False, base_model_id: str | None = None) -> dict[str, Any]:
+    """OUT/mlx (copy), OUT/peft (PEFT format), OUT/fused (optional); returns what was written.
+
+    The adapter is checked first (readable, finite, rank as configured and, given `model`,
+    fitting that model's modules and shapes); OUT is built in a scratch directory beside it and
+    renamed into place at the end, so a failed export writes nothing.
+    """
     adapter, out = Path(adapter), Path(out)
-    for f in (WEIGHTS_FILE, CONFIG_FILE):
-        if not (adapter / f).exists():
-            raise FileNotFoundError(f"{adapter / f} not found: not an mlx-lm adapter directory")
-    for f in (WEIGHTS_FILE, CONFIG_FILE):
-        atomic_write_bytes(out / "mlx" / f, (adapter / f).read_bytes())
+    if fuse and not model:
+        raise ValueError("--fuse needs --model (the base model directory)")
+    config, weights, base = _checked(model, adapter)
+    _check_out(out)
+    kinds = adapted_kinds(base) if base is not None and peft else None
+    base_id = resolve_base_model(model, base_model_id or base_model_name) if peft else None
     done: dict[str, Any] = {"mlx": str(out / "mlx")}
-    if peft:
-        done["peft_config"] = export_peft(model, adapter, out / "peft", base_model_name)
-        done["peft"] = str(out / "peft")
-    if fuse:
-        if not model:
-            raise ValueError("--fuse needs --model")
-        export_fused(model, adapter, out / "fused", dequantize)
-        done["fused"] = str(out / "fused")
+    with atomic_dir(out) as tmp:
+        (tmp / "mlx").mkdir()
+        for f in (WEIGHTS_FILE, CONFIG_FILE):
+            shutil.copy2(adapter / f, tmp / "mlx" / f)
+        if peft:
+            n_layers = len(base.layers) if base is not None else None
+            done["peft_config"] = _write_peft(tmp / "peft", weights, config, kinds, base_id,
+                                              n_layers)
+            done["peft"] = str(out / "peft")
+        if fuse:
+            export_fused(model, adapter, tmp / "fused", dequantize)
+            done["fused"] = str(out / "fused")
     return done
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="base model dir (or geometry name, no --fuse)")
     p.add_argument("--adapter", required=True, help="mlx-lm adapter dir (segback train output)")
-    p.add_argument("--out", required=True, help="writes OUT/mlx, OUT/peft, OUT/fused")
+    p.add_argument("--out", required=True,
+                   help="writes OUT/mlx, OUT/peft, OUT/fused (OUT is replaced as a whole)")
     p.add_argument("--fuse", action="store_true", help="also write a fused model (mlx_lm.fuse)")
     p.add_argument("--dequantize", action="store_true", help="fused model in full precision")
     p.add_argument("--no-peft", dest="peft", action="store_false", help="skip the PEFT copy")
-    p.add_argument("--base-model-name", default=None,
-                   help="PEFT base_model_name_or_path (default: --model)")
+    p.add_argument("--base-model-id", "--base-model-name", dest="base_model_id", default=None,
+                   help="Hub id of the base model, recorded as PEFT's base_model_name_or_path "
+                        "(default: a Hub id in --model's config.json `base_model` or "
+                        "`_name_or_path`, else --model's absolute path, with a warning)")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         done = export(args.model, args.adapter, args.out, fuse=args.fuse, peft=args.peft,
-                      base_model_name=args.base_model_name, dequantize=args.dequantize)
-    except (FileNotFoundError, ValueError, NotImplementedError) as e:
+                      base_model_id=args.base_model_id, dequantize=args.dequantize)
+    except (OSError, ValueError, NotImplementedError) as e:
         print(f"segback export: error: {e}", file=sys.stderr)
         return 2
     for k in ("mlx", "peft", "fused"):

@@ -37,18 +37,27 @@ def _as_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:
 
 
 def _load_dir(path: Path, adapter_path: str | None) -> tuple[nn.Module, object | None]:
-    """mlx_lm.load, except that a checkpoint without tokenizer files loads with tokenizer None."""
+    """mlx_lm.load, except that a checkpoint without tokenizer files loads with tokenizer None
+    and that the adapter is checked against the model before it is mounted."""
     import mlx_lm
-    from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import load_model
 
     if any((path / f).exists() for f in TOKENIZER_FILES):
-        return mlx_lm.load(str(path), adapter_path=adapter_path)
-    model, _ = load_model(path)
+        model, tokenizer = mlx_lm.load(str(path))
+    else:
+        model, tokenizer = load_model(path)[0], None
     if adapter_path is not None:
-        model = load_adapters(model, adapter_path)
-        model.eval()
-    return model, None
+        _mount(model, adapter_path)
+    return model, tokenizer
+
+
+def _mount(model: nn.Module, adapter_path: str | Path) -> None:
+    """segback.adapters.mount (mlx-lm's layers and weights, after checking the adapter: NaN or
+    mismatched weights raise AdapterError), in eval mode as mlx_lm.load leaves it."""
+    from segback.adapters import mount
+
+    mount(model, adapter_path)
+    model.eval()
 
 
 def load(path_or_geometry: str | Path, adapter_path: str | None = None,
@@ -72,9 +81,7 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
     if name in GEOMETRIES:
         model = build_model(name, dtype=dtype or mx.float32)
         if adapter_path is not None:
-            from mlx_lm.tuner.utils import load_adapters
-
-            model = load_adapters(model, adapter_path)
+            _mount(model, adapter_path)
             cast_floating(model, dtype or mx.float32)
             mx.eval(model.parameters())
         return model, None

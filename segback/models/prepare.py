@@ -6,8 +6,9 @@ Sources:
   local   REF is a directory holding an MLX checkpoint (config.json + safetensors)
   random  REF is a geometry name (segback.models.geometry); the tokenizer comes from a GGUF
 
-The output is built in a scratch dir beside DIR (DIR.<random>.tmp) and renamed into place, so
-DIR is either complete or absent (a previous DIR is replaced only once the new one is complete).
+The output is built in a scratch dir beside DIR (.DIR.HOST.PID.RANDOM.tmp, see segback.io) and
+renamed into place, so DIR is either complete or absent (a previous DIR is replaced only once the
+new one is complete); scratch left by a killed run is removed by the next one.
 Small files are copied; weight files are hard-linked (falling back to a symlink for local/hub
 sources on another filesystem, and to a copy for the cache), so preparing a 5 GB checkpoint
 costs no disk and no time, and DIR stays valid if the cache is cleaned.
@@ -20,10 +21,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+from segback.io import atomic_dir, atomic_write_json
 from segback.models import gguf as gguf_convert
 
 SOURCES = ("gguf", "hub", "local", "random")
@@ -52,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         summary = prepare(args.source, args.ref, args.out, tokenizer_gguf=args.tokenizer_gguf,
                           seed=args.seed, dtype=args.dtype)
-    except (RuntimeError, FileNotFoundError, ValueError) as e:  # user-fixable: no traceback
+    except (RuntimeError, OSError, ValueError) as e:  # user-fixable: no traceback
         print(f"segback prepare-model: error: {e}", file=sys.stderr)
         return 2
     gb = summary.get("bytes", 0) / 1e9
@@ -77,6 +79,7 @@ def prepare(source: str, ref: str, out: str | Path, *, tokenizer_gguf: str | Non
             _link_tree(cached_gguf_checkpoint(ref, dtype or "bfloat16"), tmp, fallback="copy")
         elif source == "hub":
             _link_tree(_checkpoint_dir(hub_snapshot(ref), ref), tmp, fallback="symlink")
+            record_hub_id(tmp / "config.json", ref)
         elif source == "local":
             _link_tree(_checkpoint_dir(Path(ref), ref), tmp, fallback="symlink")
         else:
@@ -148,11 +151,22 @@ def _offline() -> bool:
     return hc.HF_HUB_OFFLINE or (env or "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def hub_snapshot(repo: str, timeout: float = 10.0) -> Path:
-    """A local snapshot of a Hub repo: the HF cache first, then a download; never hangs offline."""
+def hub_timeout() -> float:
+    """Seconds to wait for the Hub to answer: HF_HUB_ETAG_TIMEOUT (read now, not at import
+    like huggingface_hub's constants), default 10."""
+    try:
+        return max(float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or 10), 0.1)
+    except ValueError:
+        return 10.0
+
+
+def hub_snapshot(repo: str, timeout: float | None = None) -> Path:
+    """A local snapshot of a Hub repo: the HF cache first, then a download; never hangs offline,
+    nor on an endpoint that accepts connections but does not answer (`_request_timeouts`)."""
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
+    timeout = hub_timeout() if timeout is None else timeout
     kwargs = dict(allow_patterns=DEFAULT_ALLOW_PATTERNS)
     try:
         return Path(snapshot_download(repo, local_files_only=True, **kwargs))
@@ -164,15 +178,63 @@ def hub_snapshot(repo: str, timeout: float = 10.0) -> Path:
     if reason:
         raise RuntimeError(_hub_help(repo, reason))
     try:
-        return Path(snapshot_download(repo, etag_timeout=timeout, **kwargs))
+        with _request_timeouts(timeout):
+            return Path(snapshot_download(repo, etag_timeout=timeout, **kwargs))
     except Exception as e:
-        raise RuntimeError(_hub_help(repo, f"{type(e).__name__}: {e}")) from e
+        raise RuntimeError(_hub_help(repo, _short_reason(e, timeout))) from e
+
+
+def _short_reason(e: BaseException, timeout: float) -> str:
+    """One line on why a download failed (huggingface_hub's messages span several lines)."""
+    import huggingface_hub.constants as hc
+
+    chain, seen = [], e
+    while seen is not None and len(chain) < 5:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if any("Timeout" in type(x).__name__ for x in chain):
+        return f"{hc.ENDPOINT} accepted the connection but did not answer within {timeout:g}s"
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0] if first else ''}".strip()
+
+
+@contextmanager
+def _request_timeouts(timeout: float):
+    """Give every request of huggingface_hub's shared HTTP client a timeout where it has none.
+
+    huggingface_hub (2.x) sends the repo_info and tree-listing requests of `snapshot_download`
+    with `timeout=None`, which no setting (HF_HUB_ETAG_TIMEOUT / HF_HUB_DOWNLOAD_TIMEOUT) reaches:
+    an endpoint that accepts the connection and never answers hangs it forever. A request hook
+    fills the unset connect/read/write/pool timeouts (read: between two received bytes, so
+    large downloads are not cut short).
+    """
+    try:
+        from huggingface_hub.utils import get_session
+
+        session = get_session()
+        hooks = session.event_hooks
+    except (ImportError, AttributeError):  # another huggingface_hub: its own timeouts apply
+        yield
+        return
+
+    def hook(request) -> None:
+        current = request.extensions.get("timeout") or {}
+        filled = {k: timeout if current.get(k) is None else current[k]
+                  for k in ("connect", "read", "write", "pool")}
+        request.extensions = {**request.extensions, "timeout": filled}
+
+    session.event_hooks = {**hooks, "request": [*hooks.get("request", []), hook]}
+    try:
+        yield
+    finally:
+        now = session.event_hooks
+        session.event_hooks = {**now, "request": [h for h in now.get("request", [])
+                                                  if h is not hook]}
 
 
 def _unreachable(timeout: float) -> str | None:
-    """Why the Hub cannot be reached, or None: a TCP probe, since huggingface_hub's metadata
-    request has no timeout and can hang for minutes where packets are dropped (skipped when a
-    proxy is configured, as the probe would bypass it)."""
+    """Why the Hub cannot be reached, or None: a TCP probe, which fails fast where packets are
+    dropped (skipped when a proxy is configured, as the probe would bypass it)."""
     import socket
     from urllib.parse import urlparse
 
@@ -185,7 +247,7 @@ def _unreachable(timeout: float) -> str | None:
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
-        return f"cannot connect to {host}:{port} within {timeout:.0f}s: {e}"
+        return f"cannot connect to {host}:{port} within {timeout:g}s: {e}"
     return None
 
 
@@ -196,6 +258,16 @@ def _hub_help(repo: str, reason: str) -> str:
         f"model's `path: DIR` in the workflow config (or run `segback prepare-model --source "
         f"local --ref DIR --out ...`)."
     )
+
+
+def record_hub_id(config_path: Path, repo: str) -> None:
+    """Note the Hub id in config.json's `base_model` (replacing the copied file, never writing
+    into the HF cache's), so that `segback export` records it as PEFT's base_model_name_or_path;
+    mlx-lm ignores the key."""
+    config = json.loads(config_path.read_text())
+    if isinstance(config, dict) and "base_model" not in config:
+        config["base_model"] = repo
+        atomic_write_json(config_path, config)
 
 
 def _checkpoint_dir(path: Path, ref: str) -> Path:
@@ -239,32 +311,7 @@ def _vocab_size(tokenizer_json: Path) -> int:
 
 # -- files --------------------------------------------------------------------------------------
 
-class _building:
-    """Context manager: yields DIR.tmp-like scratch dir, renamed onto DIR only on success."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-
-    def __enter__(self) -> Path:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f"{self.out.name}.",
-                                         suffix=".tmp"))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide DIR from other users
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        old = None
-        if self.out.exists() or self.out.is_symlink():
-            old = self.out.with_name(f".{self.out.name}.{os.getpid()}.old")
-            os.replace(self.out, old)
-        os.replace(self.tmp, self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+_building = atomic_dir  # DIR's scratch dir, renamed onto DIR only on success
 
 
 def _link_tree(src: Path, dst: Path, fallback: str) -> None:
