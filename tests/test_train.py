@@ -366,3 +366,34 @@ def test_tiled_training_matches_untiled(tmp_path, capsys):
     b = mx.load(str(tmp_path / "tiled/adapters.safetensors"))
     for k in a:
         np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), atol=2e-3, err_msg=k)
+
+
+def test_checkpoint_dir_survives_the_adapter_dir_and_restarts_on_change(tmp_path, capsys):
+    """Checkpoints outside --adapter-path: deleting the adapter directory (what Snakemake does
+    to an interrupted job's outputs) loses nothing; changed settings start afresh with
+    --restart-on-change; --clean-checkpoints removes them once the adapter is written."""
+    import shutil
+
+    rows = chat_rows(9)
+    full = tiny_run(small_cfg(tmp_path / "full"), rows)
+    ckpt = tmp_path / "ckpt"
+    cfg = small_cfg(tmp_path / "out", checkpoint_dir=str(ckpt), restart_on_change=True)
+    with pytest.raises(Killed):
+        tiny_run(cfg, rows, callback=KillAt(5))
+    shutil.rmtree(tmp_path / "out")
+    assert [p.name for p in sorted(ckpt.iterdir()) if p.name.startswith("step")] == [
+        "step_000002", "step_000004"]
+    resumed = tiny_run(cfg, rows)
+    assert resumed["resumed_from"] == 4
+    a = mx.load(str(tmp_path / "full/adapters.safetensors"))
+    b = mx.load(str(tmp_path / "out/adapters.safetensors"))
+    for k in a:
+        np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)
+    assert full["final_loss"] == resumed["final_loss"]
+
+    changed = small_cfg(tmp_path / "out", checkpoint_dir=str(ckpt), restart_on_change=True,
+                        learning_rate=5e-3, clean_checkpoints=True)
+    again = tiny_run(changed, rows)
+    assert again["resumed_from"] is None
+    assert "another setting (learning_rate" in capsys.readouterr().err
+    assert not ckpt.exists()

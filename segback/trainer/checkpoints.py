@@ -42,6 +42,12 @@ RESUME_KEYS = ("model", "data", "fine_tune_type", "num_layers", "lora_parameters
                "chat_feature", "text_feature", "hf_dataset")
 
 
+# Options that change how a run is watched or where it writes, not the adapter it ends with.
+RUN_ONLY = {"adapter_path", "checkpoint_dir", "log", "progress", "resume", "keep_checkpoints",
+            "clean_checkpoints", "restart_on_change", "steps_per_report", "report_to",
+            "project_name", "config", "test", "test_batches", "save_every"}
+
+
 class TrainingDiverged(RuntimeError):
     """Loss, gradient norm or weights became NaN/inf; the last good checkpoint is kept."""
 
@@ -131,10 +137,10 @@ class JsonlLog:
             f.flush()
 
 
-def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (state.json is written last), oldest first."""
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in `root` (state.json is written last), oldest first."""
     found = []
-    for p in (out / CHECKPOINTS).glob("step_*"):
+    for p in root.glob("step_*"):
         m = re.fullmatch(r"step_(\d+)", p.name)
         if m and (p / "state.json").exists():
             found.append((int(m.group(1)), p))
@@ -158,10 +164,15 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: optim.Optimizer) ->
 class Run:
     """One training run's directory: resume, log records, checkpoints, the finished adapter."""
 
-    def __init__(self, args: Any, model: nn.Module, train_set: Any):
+    def __init__(self, args: Any, model: nn.Module, train_set: Any, world_size: int = 1):
         self.args = args
+        self.world_size = world_size  # data-parallel ranks (rank 0 alone holds a Run)
         self.out = Path(args.adapter_path)
         self.out.mkdir(parents=True, exist_ok=True)
+        # Checkpoints live in --checkpoint-dir when given: a directory a workflow manager does
+        # not own survives the deletion of an interrupted job's outputs.
+        self.ckpt = Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) \
+            else self.out / CHECKPOINTS
         self.log = JsonlLog(Path(args.log) if args.log else self.out / "train_log.jsonl")
         self.identity = identity(args, model, train_set)
         self.threads = blas_threads()
@@ -178,10 +189,17 @@ class Run:
     def start(self, model: nn.Module, optimizer: optim.Optimizer, stats: dict) -> int:
         """The step to continue after: the newest checkpoint's (restored into model, optimizer
         and stats) when resuming, else 0 (old checkpoints and log removed)."""
-        for tmp in (self.out / CHECKPOINTS).glob(".tmp-*"):
+        for tmp in self.ckpt.glob(".tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
-        checkpoints = list_checkpoints(self.out)
+        checkpoints = list_checkpoints(self.ckpt)
         start = 0
+        changed = self._changed(checkpoints[-1][1]) if checkpoints and self.args.resume and \
+            getattr(self.args, "restart_on_change", False) else None
+        if changed:
+            print(f"segback: the checkpoints in {self.ckpt} were made with another {changed}: "
+                  "starting afresh (--restart-on-change)", file=sys.stderr)
+            shutil.rmtree(self.ckpt, ignore_errors=True)
+            checkpoints = []
         if checkpoints and self.args.resume:
             start, path = checkpoints[-1]
             if start > self.args.iters:
@@ -191,6 +209,13 @@ class Run:
             if "identity" not in state:
                 raise ResumeError(f"{path} was written by an older segback train; use "
                                   "--no-resume or another --adapter-path")
+            ranks = state.get("world_size", 1)
+            if ranks != self.world_size:  # the global batch (ranks x batch size) would change
+                raise ResumeError(
+                    f"cannot resume from {path}: it was trained on {ranks} rank(s), this run "
+                    f"has {self.world_size}; resume with {ranks} rank(s) ("
+                    + (f"mlx.launch -n {ranks} ..." if ranks > 1 else "without a launcher")
+                    + "), or start afresh with --no-resume")
             check_resume(state["identity"], self.identity, path)
             if state.get("blas_threads") != self.threads:
                 print(f"segback: warning: {path} was trained with {state.get('blas_threads')} "
@@ -212,7 +237,7 @@ class Run:
             if checkpoints:
                 print(f"segback: --no-resume: removing {len(checkpoints)} old checkpoint(s)",
                       file=sys.stderr)
-                shutil.rmtree(self.out / CHECKPOINTS, ignore_errors=True)
+                shutil.rmtree(self.ckpt, ignore_errors=True)
             self.log.truncate_after(-1)
         if start < self.args.iters:  # final files exist only for a finished run
             for name in (WEIGHTS_FILE, CONFIG_FILE, SUMMARY):
@@ -227,7 +252,7 @@ class Run:
                if not mx.all(mx.isfinite(v)).item()]
         if bad:
             self.diverged(step, f"non-finite weights ({bad[0]} ...)")
-        root = self.out / CHECKPOINTS
+        root = self.ckpt
         final = root / f"step_{step:06d}"
         tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -236,19 +261,19 @@ class Run:
                                 dict(tree_flatten(optimizer.state)))
         atomic_write_json(tmp / "state.json", {
             "step": step, "config": self.adapter_config(), "identity": self.identity,
-            "blas_threads": self.threads, "stats": stats})
+            "blas_threads": self.threads, "stats": stats, "world_size": self.world_size})
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         keep = self.args.keep_checkpoints
         if keep > 0:
-            for _, old in list_checkpoints(self.out)[:-keep]:
+            for _, old in list_checkpoints(self.ckpt)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         self.last_saved = step
         return final
 
     def diverged(self, step: int, what: str) -> NoReturn:
-        last = self.out / CHECKPOINTS / f"step_{self.last_saved or 0:06d}"
+        last = self.ckpt / f"step_{self.last_saved or 0:06d}"
         keep = f"the last good checkpoint is {last}" if self.last_saved else \
             "no checkpoint was saved before it"
         msg = (f"training diverged at step {step}: {what}; stopped ({keep}). "
@@ -257,9 +282,28 @@ class Run:
         raise TrainingDiverged(msg)
 
     def finish(self, model: nn.Module, summary: dict) -> dict:
-        """The adapter in mlx-lm's layout and train_summary.json."""
+        """The adapter in mlx-lm's layout and train_summary.json; the checkpoints go if the
+        user asked (`--clean-checkpoints`)."""
         save_adapter(model, self.out, self.adapter_config())
         summary = {**summary, "resumed_from": self.resumed_from, "blas_threads": self.threads,
                    "dtype": self.identity["dtype"], "adapter_path": str(self.out)}
         atomic_write_json(self.out / SUMMARY, summary)
+        if getattr(self.args, "clean_checkpoints", False):
+            shutil.rmtree(self.ckpt, ignore_errors=True)
         return summary
+
+    def _changed(self, path: Path) -> str | None:
+        """What differs between the newest checkpoint's run and this one (None: nothing that
+        changes the result), for --restart-on-change."""
+        state = read_json(path / "state.json")
+        if "identity" not in state:
+            return "segback version"
+        moved = [k for k in self.identity if state["identity"].get(k) != self.identity[k]]
+        if moved:
+            return ", ".join(moved)
+        if state.get("world_size", 1) != self.world_size:
+            return "number of ranks"
+        saved, now = state.get("config", {}), self.adapter_config()
+        keys = sorted(k for k in set(saved) | set(now)
+                      if k not in RUN_ONLY and saved.get(k) != now.get(k))
+        return f"setting ({', '.join(keys)})" if keys else None

@@ -2,6 +2,10 @@
 
 As `mlx_lm.lora`: `--train` fine-tunes (LoRA, DoRA or full), `--test` evaluates test loss and
 perplexity afterwards, or alone (on the adapter in --adapter-path, if there is one).
+
+Under `mlx.launch -n N ...` every rank runs this; `mx.distributed.init()` is called once here,
+rank 0 alone locks, writes and prints, the others print only their errors
+(`segback.trainer.distributed`, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import argparse
 import inspect
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,7 @@ from segback.data import ByteTokenizer, DataError
 from segback.engine import EngineOptions, OptionsError, Plan, PlanError, segments_of
 from segback.engine.options import parse_value
 from segback.io import atomic_write_json
-from segback.trainer import loop
+from segback.trainer import distributed, loop
 from segback.trainer.checkpoints import SUMMARY, ResumeError, TrainingDiverged
 from segback.trainer.config import ConfigError, TrainConfig, add_arguments, from_args, \
     split_engine
@@ -35,26 +40,35 @@ OPTIMIZER_CLASSES = {"adam": optim.Adam, "adamw": optim.AdamW, "muon": optim.Muo
 
 
 def main(args: argparse.Namespace) -> int:
+    world = None
     try:
         cfg = from_args(args)
-        with exclusive(cfg.adapter_path):  # one writer per adapter directory
-            result = run(cfg)
+        world = distributed.init()  # the ranks mlx.launch started (one without it)
+        lock = exclusive(cfg.checkpoint_dir or cfg.adapter_path) if world.main else \
+            nullcontext()  # one writer per run: rank 0
+        with distributed.quiet(world), lock:
+            result = run(cfg, world)
     except TrainingDiverged as e:
-        print(f"segback train: {e}", file=sys.stderr)
+        if world is None or world.main:  # every rank stops at the same step; rank 0 says it
+            print(f"segback train: {e}", file=sys.stderr)
         return 3
     except (ConfigError, DataError, ResumeError, OptionsError, PlanError, ValueError,
             FileNotFoundError, ImportError, LockedError) as e:
-        print(f"segback train: error: {e}", file=sys.stderr)
+        print(f"segback train: error: {distributed.who(world)}{e}", file=sys.stderr)
         return 2
     keys = ("steps", "first_loss", "final_loss", "val_loss", "peak_gb", "seconds",
-            "tokens_per_second", "test_loss", "test_ppl")
-    print(json.dumps({k: result[k] for k in keys if k in result}))
+            "tokens_per_second", "test_loss", "test_ppl", "world_size")
+    if world.main:
+        print(json.dumps({k: result[k] for k in keys if k in result}))
     return 0
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train and/or test as `cfg` says; returns the summary (and the test results)."""
-    callback = reporting_callback(cfg)
+def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
+    """Train and/or test as `cfg` says; returns the summary (and the test results).
+
+    `world`: the data-parallel ranks (`distributed.init()` when not given); rank 0 writes."""
+    world = world or distributed.init()
+    callback = reporting_callback(cfg) if world.main else None
     model, tokenizer = load_model(cfg.model)
     train_set, valid_set, test_set = loop.load_data(cfg, tokenizer)
     model.set_dtype(resolve_dtype(cfg.dtype))
@@ -68,7 +82,8 @@ def run(cfg: TrainConfig) -> dict:
         plan = resolve_plan(cfg, model)
         describe(plan, model, cfg)
         result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg,
-                            loop.segmented_grad_fn(plan), training_callback=callback)
+                            loop.segmented_grad_fn(plan), training_callback=callback,
+                            world=world)
     elif (Path(cfg.adapter_path) / "adapter_config.json").exists():
         from segback.adapters import mount
 
@@ -77,12 +92,13 @@ def run(cfg: TrainConfig) -> dict:
         print(f"segback: no adapter in {cfg.adapter_path}: testing the base model",
               file=sys.stderr)
     if cfg.test:
-        tested = loop.test(model, test_set, cfg)
-        print(f"Test loss {tested['test_loss']:.3f}, Test ppl {tested['test_ppl']:.3f}.",
-              file=sys.stderr)
-        atomic_write_json(Path(cfg.adapter_path) / "test_results.json", tested)
-        if cfg.do_train:
-            atomic_write_json(Path(cfg.adapter_path) / SUMMARY, result | tested)
+        tested = loop.test(model, test_set, cfg, world)
+        if world.main:
+            print(f"Test loss {tested['test_loss']:.3f}, Test ppl {tested['test_ppl']:.3f}.",
+                  file=sys.stderr)
+            atomic_write_json(Path(cfg.adapter_path) / "test_results.json", tested)
+            if cfg.do_train:
+                atomic_write_json(Path(cfg.adapter_path) / SUMMARY, result | tested)
         result |= tested
     return result
 

@@ -196,6 +196,16 @@ class TrainConfig:
                           "bit for bit", group="segback")
     log: str | None = option(None, str, "JSONL log (default ADAPTER_PATH/train_log.jsonl)",
                              group="segback")
+    checkpoint_dir: str | None = option(None, str, "where checkpoints live (default "
+                                        "ADAPTER_PATH/checkpoints); give a directory your "
+                                        "workflow manager does not delete with a failed job's "
+                                        "outputs, and a re-run resumes", group="segback")
+    clean_checkpoints: bool = option(False, bool, "remove the checkpoints once the run has "
+                                     "finished and the adapter is written", group="segback")
+    restart_on_change: bool = option(False, bool, "checkpoints made with other settings, "
+                                     "data or model are removed and training starts afresh "
+                                     "(default: refuse to resume, naming what changed)",
+                                     group="segback")
     progress: bool = option(True, bool, "tqdm progress bar", group="segback")
     engine: dict = option({}, MAPPING, "engine options (a config file may give them flat: "
                           "tile: 2048, offload: true, ...)", cli=False, group="segback")

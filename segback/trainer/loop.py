@@ -8,6 +8,11 @@ alive); `nn.value_and_grad(model, default_loss)` is mlx-lm's own and gives the s
 Step k's data and dropout stream are a pure function of (seed, k), so a resumed run restores only
 weights, optimizer state and the step, and ends with the adapter of an uninterrupted run. A
 non-finite loss or gradient norm stops the run at once, keeping the last good checkpoint.
+
+Under `mlx.launch` (or any launcher setting MLX's distributed environment) it is data-parallel:
+each rank trains on its slice of every global batch (ranks x --batch-size), gradients and loss
+are combined weighted by each rank's trained tokens, so the run equals one process with
+--batch-size ranks x b; only rank 0 writes and reports (`segback.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from segback.data import (
     DataError,
     DataFormat,
     TokenDataset,
-    batch_at,
     encode_rows,
     load_dataset,
     validation_batches,
 )
 from segback.engine import memory_stats, reset_peak
+from segback.trainer import distributed
 from segback.trainer.checkpoints import Run
+from segback.trainer.distributed import World
 
 GradFn = Callable[[nn.Module, mx.array, mx.array], tuple[tuple[mx.array, mx.array], Any]]
 
@@ -53,25 +59,30 @@ def segmented_grad_fn(plan: Any = None, options: Any = None) -> GradFn:
 
 def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
           val_set: TokenDataset | None, args: Any, grad_fn: GradFn | None = None,
-          training_callback: Any = None) -> dict:
+          training_callback: Any = None, world: World | None = None) -> dict:
     """Train `model`'s trainable parameters; returns (and writes) the run summary.
 
     `args` is a `TrainConfig`. `training_callback` is mlx-lm's `TrainingCallback` (its
-    on_train_loss_report / on_val_loss_report get mlx-lm's keys).
+    on_train_loss_report / on_val_loss_report get mlx-lm's keys). `world`: the ranks
+    (`distributed.init()` when not given); rank 0 alone writes, reports and calls back.
     """
+    world = world or distributed.init()
     grad_fn = grad_fn or segmented_grad_fn()
-    run = Run(args, model, train_set)
+    distributed.check_data(train_set, args.batch_size, world)
+    run = Run(args, model, train_set, world_size=world.size) if world.main else \
+        distributed.Replica(args, model, train_set, world)
     stats = {"tokens": 0, "input_tokens": 0, "seconds": 0.0, "first_loss": None,
              "last_loss": None, "peak_gb": 0.0, "val_loss": None, "first_val_loss": None}
-    start = run.start(model, optimizer, stats)
-    report = Reporter(args, training_callback, start)
+    start = distributed.begin(world, run, model, optimizer, stats)
+    report = Reporter(args, training_callback if world.main else None, start,
+                      enabled=world.main)
     model.train()
 
     def validate(step: int) -> None:
         if val_set is None or args.steps_per_eval == 0 or args.val_batches == 0:
             return
         tic = time.perf_counter()
-        val = evaluate(model, val_set, args, args.val_batches)
+        val = evaluate(model, val_set, args, args.val_batches, world)
         stats["val_loss"] = val
         if stats["first_val_loss"] is None:
             stats["first_val_loss"] = val
@@ -86,7 +97,7 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
             reset_peak()
             tic = time.perf_counter()
             loss, norm, grads, ntoks, input_tokens = gradients(model, grad_fn, train_set, step,
-                                                                args)
+                                                                args, world)
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 run.diverged(step, f"loss {loss}, grad norm {norm}")
             optimizer.update(model, grads)
@@ -98,6 +109,9 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
             seconds = time.perf_counter() - tic
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": ntoks,
                       "input_tokens": input_tokens, "seconds": seconds, **memory_stats()}
+            if world.size > 1:  # the largest rank's peak, and each rank's
+                peaks = world.all_gather(mx.array([record["peak_gb"]], mx.float32)).tolist()
+                record |= {"peak_gb": max(peaks), "rank_peak_gb": peaks}
             run.log.write(record)
             tally(stats, record)
             report.step(record, last=step == args.iters)
@@ -109,28 +123,44 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
     finally:
         report.close()
     plan = getattr(grad_fn, "plan", None)
-    return run.finish(model, summary(args, model, stats, plan, time.perf_counter() - wall))
+    return run.finish(model, summary(args, model, stats, plan, time.perf_counter() - wall,
+                                     world))
 
 
-def gradients(model: nn.Module, grad_fn: GradFn, train_set: TokenDataset, step: int, args: Any
-              ) -> tuple[float, float, Any, int, int]:
+def gradients(model: nn.Module, grad_fn: GradFn, train_set: TokenDataset, step: int, args: Any,
+              world: World = distributed.SINGLE) -> tuple[float, float, Any, int, int]:
     """Step `step`'s accumulated, averaged and clipped gradients (one eval per micro-batch).
 
-    Returns (mean loss, grad norm before clipping, grads, loss tokens, input tokens).
+    Returns (mean loss, grad norm before clipping, grads, loss tokens, input tokens). With
+    several ranks, each micro-batch's gradient and loss are token-weighted over the ranks
+    (this rank's mean x its tokens / all ranks' tokens, summed over the ranks), so they are
+    those of the global micro-batch; the weighted gradients are all-summed once per step.
     """
     n = args.grad_accumulation_steps
+    parallel = world.size > 1
     acc, loss_sum, ntoks, input_tokens = None, mx.array(0.0), mx.array(0), 0
     for j in range(n):
         index = (step - 1) * n + j
-        batch, lengths = batch_at(train_set, index, args.batch_size, args.seed,
-                                  args.max_seq_length)
+        batch, lengths = distributed.batch_at(train_set, index, args.batch_size, args.seed,
+                                              args.max_seq_length, world)
         input_tokens += int(mx.sum(lengths[:, 1] + 1).item())
-        mx.random.seed(micro_seed(args.seed, index))
+        mx.random.seed(distributed.rank_seed(micro_seed(args.seed, index), world))
         (loss, toks), grads = grad_fn(model, batch, lengths)
+        if parallel:
+            total = world.all_sum(toks.astype(mx.int32))
+            share = toks.astype(mx.float32) / total.astype(mx.float32)
+            grads = tree_map(lambda g: g.astype(mx.float32) * share, grads)
+            loss = world.all_sum(loss.astype(mx.float32) * toks.astype(mx.float32)) / \
+                total.astype(mx.float32)
+            toks = total
         acc = grads if acc is None else tree_map(mx.add, acc, grads)
         loss_sum, ntoks = loss_sum + loss, ntoks + toks
         if j < n - 1:
             mx.eval(loss_sum, ntoks, acc)
+    if parallel:  # sum over the ranks, back in the parameters' dtype
+        acc = tree_map(lambda g, p: g.astype(p.dtype), world.all_sum_tree(acc),
+                       model.trainable_parameters())
+        input_tokens = int(world.all_sum(mx.array([input_tokens], mx.int32)).item())
     if n > 1:
         acc = tree_map(lambda g: g / n, acc)
     if args.grad_clip > 0:
@@ -163,12 +193,15 @@ def learning_rate(optimizer: optim.Optimizer) -> float:
     return float(lr.item() if isinstance(lr, mx.array) else lr)
 
 
-def summary(args: Any, model: nn.Module, stats: dict, plan: Any, wall: float) -> dict:
+def summary(args: Any, model: nn.Module, stats: dict, plan: Any, wall: float,
+            world: World = distributed.SINGLE) -> dict:
     segments = getattr(plan, "segments", plan)  # a Plan, ranges, layers per segment or None
     return {
         "steps": args.iters,
         "seq": args.max_seq_length,
         "batch_size": args.batch_size,
+        "world_size": world.size,
+        "global_batch_size": args.batch_size * world.size,
         "grad_accum": args.grad_accumulation_steps,
         "segments": [list(s) for s in segments] if isinstance(segments, list) else segments,
         "plan": args.plan if isinstance(args.plan, (str, int)) else "list",
@@ -196,12 +229,13 @@ class Reporter:
     """The tqdm bar, a report line every --steps-per-report steps (averaged over them, as
     mlx-lm) and mlx-lm's reporting callback (wandb, swanlab)."""
 
-    def __init__(self, args: Any, callback: Any, start: int):
+    def __init__(self, args: Any, callback: Any, start: int, enabled: bool = True):
         from tqdm import tqdm
 
-        self.args, self.callback = args, callback
+        self.args, self.callback, self.enabled = args, callback, enabled
         self.bar = tqdm(total=args.iters, initial=start, desc="train", unit="step",
-                        file=sys.stderr, disable=not args.progress, dynamic_ncols=True)
+                        file=sys.stderr, disable=not (args.progress and enabled),
+                        dynamic_ncols=True)
         self.window: list[dict] = []
         self.trained_tokens = 0
 
@@ -236,6 +270,8 @@ class Reporter:
                                               "val_time": seconds})
 
     def write(self, line: str) -> None:
+        if not self.enabled:
+            return
         self.bar.write(line, file=sys.stderr) if self.args.progress else \
             print(line, file=sys.stderr)
 
@@ -276,23 +312,35 @@ def eval_loss(model: nn.Module, batch: mx.array, lengths: mx.array) -> tuple[flo
     return total.item(), int(rows.size)
 
 
-def evaluate(model: nn.Module, dataset: TokenDataset, args: Any, num_batches: int) -> float:
-    """Mean loss per token over a fixed set of batches (-1: all), dropout off."""
+def evaluate(model: nn.Module, dataset: TokenDataset, args: Any, num_batches: int,
+             world: World | None = None) -> float:
+    """Mean loss per token over a fixed set of batches (-1: all), dropout off.
+
+    With several ranks the batches are global ones (ranks x --batch-size), each rank scores its
+    slice and the sums are all-summed: the loss one process of that batch size reports."""
+    world = world or distributed.init()
     model.eval()
     total, count = 0.0, 0
     try:
-        for batch, lengths in validation_batches(dataset, args.batch_size, num_batches,
-                                                 args.seed, args.max_seq_length):
+        for batch, lengths in validation_batches(dataset, args.batch_size * world.size,
+                                                 num_batches, args.seed, args.max_seq_length):
+            batch, lengths = distributed.shard(batch, lengths, world, args.batch_size)
+            if batch.shape[0] == 0:
+                continue
             s, n = eval_loss(model, batch, lengths)
             total, count = total + s, count + n
     finally:
         model.train()
+    if world.size > 1:
+        total = world.all_sum(mx.array([total], mx.float32)).item()
+        count = int(world.all_sum(mx.array([count], mx.int32)).item())
     return total / max(count, 1)
 
 
-def test(model: nn.Module, test_set: TokenDataset, args: Any) -> dict:
+def test(model: nn.Module, test_set: TokenDataset, args: Any, world: World | None = None
+         ) -> dict:
     """Test loss and perplexity over --test-batches batches, as `mlx_lm.lora --test`."""
-    loss = evaluate(model, test_set, args, args.test_batches)
+    loss = evaluate(model, test_set, args, args.test_batches, world)
     return {"test_loss": loss, "test_ppl": math.exp(loss), "test_batches": args.test_batches}
 
 
