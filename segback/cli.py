@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("segback.bench", "benchmark mlx-lm full/checkpoint vs segmented backward"),
     "summarize": ("segback.results", "assemble the experiment's result JSON"),
     "plots": ("segback.plots", "plot loss and memory curves for the report"),
+    "stamp": ("segback.stamp", "record a stage's effective config (for the workflow)"),
 }
 
 # Commands that run the model and so benefit from the OpenBLAS preload on Linux CPU.

@@ -181,6 +181,21 @@ def build_result(model_name: str, baseline: dict, finetuned: dict, train_summary
     return result
 
 
+def check_stamps(stamps: list[dict], training: dict, source: str) -> dict[str, str]:
+    """Each stage's config hash; refuses a training run whose steps or length are not what
+    the training stamp says (a stale summary left by an earlier config)."""
+    train = next((s["config"] for s in stamps if s.get("stage") == "train"), None)
+    if train is not None:
+        want = {"steps": train.get("iters"), "seq": train.get("seq")}
+        stale = {k: (training.get(k), v) for k, v in want.items()
+                 if v is not None and training.get(k) != v}
+        if stale:
+            what = ", ".join(f"{k} {got} (config: {v})" for k, (got, v) in stale.items())
+            raise ResultError(f"{source} does not follow the current config: {what}; re-run "
+                              "training (delete the adapter directory if Snakemake kept it)")
+    return {s["stage"]: s["hash"] for s in stamps}
+
+
 def validate_result(result: dict, schema_path: str | Path = DEFAULT_SCHEMA) -> None:
     """Raise ResultError listing every place where `result` breaks the schema."""
     import jsonschema
@@ -265,6 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(stage wall times; missing files are skipped)")
     parser.add_argument("--artifact", action="append", default=[], metavar="NAME=PATH",
                         help="record a related file's path in the result (repeatable)")
+    parser.add_argument("--stamp", action="append", default=[], metavar="PATH",
+                        help="a stage's config stamp (segback stamp); repeatable")
     parser.add_argument("--schema", default=str(DEFAULT_SCHEMA), help="result JSON Schema")
     parser.add_argument("--out", required=True, help="result JSON to write")
     parser.add_argument("--table", default=None, help="also write an HTML score table here")
@@ -288,6 +305,8 @@ def main(args: argparse.Namespace) -> int:
             sources={"baseline": args.baseline, "finetuned": args.finetuned,
                      "train": args.train_summary, "plan": args.plan},
         )
+        result["config"] = check_stamps([read_json(p) for p in args.stamp],
+                                        result["training"], args.train_summary)
         validate_result(result, args.schema)
     except (OSError, ValueError) as e:  # ResultError and json.JSONDecodeError are ValueErrors
         print(f"segback summarize: {e}", file=sys.stderr)

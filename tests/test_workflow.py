@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -33,12 +34,12 @@ RESULT_SCHEMA = REPO / "segback" / "result.schema.json"
 ALL_RULES = {
     "prepare_model": 1, "build_dataset": 1, "filter_test": 1, "filter_data": 2,
     "baseline_eval": 1, "plan_segments": 1, "train_lora": 1, "export_adapter": 1,
-    "finetuned_eval": 1, "score": 2, "plots": 1, "summarize": 1, "all": 1,
+    "finetuned_eval": 1, "score": 2, "plots": 1, "summarize": 1, "all": 1, "config_stamp": 3,
 }
 # What a change of `seq` must re-run: nothing upstream of the seq-dependent stages.
 SEQ_RULES = {
     "filter_data": 2, "plan_segments": 1, "train_lora": 1, "export_adapter": 1,
-    "finetuned_eval": 1, "score": 1, "plots": 1, "summarize": 1, "all": 1,
+    "finetuned_eval": 1, "score": 1, "plots": 1, "summarize": 1, "all": 1, "config_stamp": 1,
 }
 # Data-flow edges the DAG must have (producer -> consumer).
 EDGES = {
@@ -229,14 +230,14 @@ def test_plots_write_pngs(tmp_path):
 
 FAKE_SEGBACK = textwrap.dedent('''
     """Stand-in for `segback`: writes contract-shaped outputs instantly (see docs/CONTRACTS.md).
-    summarize and plots are the real ones: they are part of what is tested."""
+    summarize, plots and stamp are the real ones: they are part of what is tested."""
     import json, os, shutil, sys
     from pathlib import Path
 
     cmd, rest = sys.argv[1], sys.argv[2:]
     with open(os.environ["FAKE_SEGBACK_CALLS"], "a") as f:
         f.write(cmd + "\\n")
-    if cmd in ("summarize", "plots"):
+    if cmd in ("summarize", "plots", "stamp"):
         from segback.cli import main
         sys.exit(main(sys.argv[1:]))
     a, i = {}, 0
@@ -284,6 +285,8 @@ FAKE_SEGBACK = textwrap.dedent('''
         dump(a["out"], {"segments": [[0, 6], [6, 12]], "predicted_peak_gb": 0.2,
                         "seq": int(a["seq"])})
     elif cmd == "train":
+        if os.environ.get("FAKE_TRAIN_FAILS"):
+            sys.exit("train failed (FAKE_TRAIN_FAILS)")
         out = Path(a["adapter_path"])
         dump(out / "adapter_config.json", {"fine_tune_type": "lora"})
         (out / "adapters.safetensors").write_bytes(b"")
@@ -350,14 +353,15 @@ def test_fake_run_caches_and_reruns_exactly_what_changed(tmp_path, fake_env):
     # A training option: params trigger on train_lora, not the data or the baseline.
     assert changed("iters", "train", "iters", 5) == {
         "train_lora": 1, "export_adapter": 1, "finetuned_eval": 1, "score": 1, "plots": 1,
-        "summarize": 1, "all": 1}
+        "summarize": 1, "all": 1, "config_stamp": 1}
     # The test-set filter: both evaluations, never training.
     assert changed("evalmax", "eval", "max_prompt_tokens", 400) == {
         "filter_test": 1, "baseline_eval": 1, "finetuned_eval": 1, "score": 2, "summarize": 1,
-        "all": 1}
+        "all": 1, "config_stamp": 1}
     # A data option: everything but the model preparation and the plan.
     assert set(changed("data", "data", "seed", 1)) == set(ALL_RULES) - {"prepare_model",
                                                                         "plan_segments"}
+    assert changed("data2", "data", "seed", 1)["config_stamp"] == 1  # only the data stamp
 
     # Actually run the seq change: the new result carries the new seq; the baseline is reused.
     n_calls = len(calls.read_text().split())
@@ -366,6 +370,28 @@ def test_fake_run_caches_and_reruns_exactly_what_changed(tmp_path, fake_env):
     ran = calls.read_text().split()[n_calls:]
     assert "prepare-model" not in ran and "build-data" not in ran
     assert json.loads(result_path(work, SMOKE).read_text())["training"]["seq"] == 256
+
+
+def test_result_follows_the_config_after_a_failed_training_job(tmp_path, fake_env):
+    """Run to the end; change train.iters; the training job fails (Snakemake deletes its
+    adapter); fix it and run again: the result must carry the new number of steps, never
+    "Nothing to be done" over the old result."""
+    env, _ = fake_env
+    work = tmp_path / "work"
+    work.mkdir()
+    cfg = ["--cores", "2", "--configfile", str(SMOKE)]
+    snakemake(work, *cfg, env=env)
+    assert json.loads(result_path(work, SMOKE).read_text())["training"]["steps"] == 4
+    smoke = yaml.safe_load(SMOKE.read_text())
+    over = write_yaml(tmp_path / "iters.yaml", {"train": {**smoke["train"], "iters": 6}})
+    failed = snakemake(work, *cfg, str(over), env={**env, "FAKE_TRAIN_FAILS": "1"},
+                       check=False)
+    assert failed.returncode != 0
+    out = snakemake(work, *cfg, str(over), env=env).stdout
+    assert "Nothing to be done" not in out
+    result = json.loads(result_path(work, SMOKE).read_text())
+    assert result["training"]["steps"] == 6
+    assert snakemake(work, *cfg, str(over), env=env).stdout.count("Nothing to be done") == 1
 
 
 # ---- THE SMOKE RUN -------------------------------------------------------------------------------
@@ -397,3 +423,48 @@ def test_smoke_run(tmp_path):
     assert_seq_change_reruns_only_seq_rules(work, SMOKE)
     # Budget: 300 s on an idle 2-core CPU; the guard allows for a machine shared with other work.
     assert wall < 600, f"smoke run took {wall:.0f} s (budget 300 s)"
+
+
+def test_training_killed_inside_the_workflow_resumes_to_the_same_adapter(tmp_path):
+    """The real trainer on the smoke config, interrupted mid-run — the trainer by SIGTERM, and
+    Snakemake with its jobs by SIGKILL (a power loss) —; the same command again resumes from
+    the last checkpoint and ends with the adapter of an uninterrupted run, bit for bit."""
+    for module in STAGE_MODULES:
+        pytest.importorskip(module, reason=f"stage module {module} not written yet")
+    smoke = yaml.safe_load(SMOKE.read_text())
+    over = write_yaml(tmp_path / "long.yaml", {"train": {**smoke["train"], "iters": 24,
+                                                         "save_every": 2, "val_every": 100}})
+    cfg = ["--cores", "2", "--rerun-incomplete", "--configfile", str(SMOKE), str(over), "--",
+           "results/tiny/seq512/adapter"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    snakemake(ref, *cfg)
+    want = (ref / "results/tiny/seq512/adapter/adapters.safetensors").read_bytes()
+    env = {k: v for k, v in os.environ.items() if k != "SEGBACK"}
+    for victim, sig in (("trainer", signal.SIGTERM), ("snakemake", signal.SIGKILL)):
+        work = tmp_path / f"{victim}-{sig.name}"
+        work.mkdir()
+        proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--snakefile",
+                                 str(SNAKEFILE), "--directory", str(work), *cfg], cwd=work,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        ckpt = work / "results" / "tiny" / "seq512" / "train_work" / "checkpoints"
+        deadline = time.time() + 600
+        while not (ckpt / "step_000004").exists():
+            assert proc.poll() is None and time.time() < deadline, "training never reached 4"
+            time.sleep(0.02)
+        if victim == "snakemake":  # Snakemake and every job it started, at once
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(int((ckpt / ".segback.lock").read_text().split()[0]), sig)
+        proc.wait(timeout=120)
+        adapter = work / "results" / "tiny" / "seq512" / "adapter"
+        assert not (adapter / "adapters.safetensors").exists(), (victim, sig)
+        if victim == "snakemake":  # as Snakemake itself says after a kill -9 or power loss
+            snakemake(work, "--unlock", *cfg)
+        snakemake(work, *cfg)
+        log = [json.loads(x) for x in (work / "results/tiny/seq512/train_log.jsonl").open()]
+        resumed = [r["resumed_from"] for r in log if "resumed_from" in r]
+        assert resumed and resumed[0] >= 4, (victim, sig, log)
+        assert (adapter / "adapters.safetensors").read_bytes() == want, (victim, sig)
+        assert not any(ckpt.glob("step_*"))  # removed once the run finished

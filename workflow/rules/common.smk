@@ -1,6 +1,7 @@
 # Shared definitions: the segback command, config shortcuts, wildcard constraints, and small
 # path helpers. No stage logic lives here.
 
+import json
 import os
 import re
 import shlex
@@ -48,12 +49,25 @@ wildcard_constraints:
     seq=r"\d+",
     split="train|valid",
     variant=r"baseline|seq\d+/finetuned",
+    stage="data|train|eval",
 
 
 localrules:
     all,
+    config_stamp,
     plots,
     summarize,
+
+
+def stage_config(model, stage):
+    """The config a stage's outputs depend on, as JSON: the params of its stamp (segback stamp)."""
+    entry = config["models"][model]
+    parts = {
+        "data": {"data": DATA},
+        "train": {"model": entry, "seq": SEQ, **TRAIN},
+        "eval": {"model": entry, **EVAL},
+    }
+    return json.dumps(parts[stage], sort_keys=True)
 
 
 def opt(flag, value):

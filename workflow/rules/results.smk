@@ -34,8 +34,24 @@ rule plots:
         " > {log} 2>&1"
 
 
+# Each stage's effective config as a file: a changed option re-runs the summary (and what it
+# needs) even after a failed job's outputs were deleted; the result records the hashes.
+rule config_stamp:
+    output:
+        "results/{model}/config/{stage}.json",
+    params:
+        config=lambda w: stage_config(w.model, w.stage),
+    log:
+        "results/logs/{model}/config_stamp_{stage}.log",
+    threads: 1
+    shell:
+        "segback stamp --stage {wildcards.stage} --config {params.config:q} --out {output}"
+        " > {log} 2>&1"
+
+
 rule summarize:
     input:
+        stamps=expand("results/{{model}}/config/{stage}.json", stage=("data", "train", "eval")),
         schema=os.path.join(workflow.basedir, "segback/result.schema.json"),
         baseline="results/{model}/baseline/score.json",
         finetuned=f"results/{{model}}/seq{SEQ}/finetuned/score.json",
@@ -71,4 +87,5 @@ rule summarize:
         " --finetuned {input.finetuned} --train-summary {params.train_summary}"
         " --plan {input.plan} --schema {input.schema} --benchmarks {params.benchmarks}"
         " --artifact loss_plot={input.loss} --artifact memory_plot={input.memory}"
+        " $(printf -- '--stamp %s ' {input.stamps})"
         " --out {output.json} --table {output.table} > {log} 2>&1"

@@ -64,6 +64,11 @@ rule train_lora:
         save_every=TRAIN["save_every"],
         seed=TRAIN["seed"],
         compile=TRAIN.get("compile", "auto"),  # auto, on/off or true/false: the trainer reads each
+        # Resumable state lives where Snakemake does not own it: an interrupted or failed job's
+        # outputs are deleted, its checkpoints are not, and the same command resumes from them
+        # (settings changed since: a fresh start).
+        work="results/{model}/seq{seq}/train_work",
+        clean="" if TRAIN.get("keep_checkpoints") else "--clean-checkpoints",
     log:
         "results/logs/{model}/seq{seq}/train_lora.log",
     benchmark:
@@ -82,7 +87,10 @@ rule train_lora:
         " --lora-scale {params.lora_scale} --lora-dropout {params.lora_dropout}"
         " --num-layers {params.num_layers} --mask-prompt"
         " --steps-per-eval {params.steps_per_eval} --save-every {params.save_every}"
-        " --seed {params.seed} --compile {params.compile} --log {output.log} > {log} 2>&1"
+        " --seed {params.seed} --compile {params.compile}"
+        " --checkpoint-dir {params.work}/checkpoints --restart-on-change {params.clean}"
+        " --log {params.work}/train_log.jsonl > {log} 2>&1"
+        " && cp {params.work}/train_log.jsonl {output.log}"
 
 
 rule export_adapter:
