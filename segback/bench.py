@@ -5,6 +5,17 @@ peak counter and buffer cache are per process) on the same model, LoRA and data,
 JSON line: peak GB, resting GB, seconds per step (median after a warm-up step), tokens/s, the
 first step's loss (equal across modes) — or the error if the mode crashed.
 
+Throughput keys of every row (segback.planner.flops says what is counted):
+
+    flops_per_token       model FLOPs of one step per input token, from the geometry: forward,
+                          backward and the recompute this mode does (ckpt and segmented: one
+                          more forward of the layers; tiled: also the boundaries inside a
+                          segment and Q/K/V once more); causal / sliding-window attention
+    model_tflops          flops_per_token x tokens_per_s / 1e12
+    device_matmul_tflops  measured rate of a large square matmul on this device, in
+    matmul_dtype          this dtype (bfloat16 on a GPU, float32 on the CPU); once per row
+    hw_fraction           model_tflops / device_matmul_tflops
+
 Every line starts with where it was measured (`provenance`): the UTC date, the git revision of
 this checkout ("-dirty" with uncommitted changes to tracked files), the machine (platform, CPU
 model, core count, host memory, GPU name and memory; no host name), the mlx and mlx-lm versions,
@@ -117,10 +128,16 @@ def run_worker(args) -> dict:
     from mlx_lm.tuner.trainer import default_loss, grad_checkpoint
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
+    import numpy as np
+
     from segback.engine import memory_stats, reset_peak, value_and_grad
+    from segback.engine.head import loss_mask
+    from segback.planner.flops import matmul_peak
+    from segback.planner.geometry import read_geometry
 
     mode = args.worker
-    model, _ = _load(args)
+    peak_flops = matmul_peak()  # before the model: nothing else holds memory yet
+    model, dtype = _load(args)
     model.freeze()
     n = len(model.layers)
     layers = n if args.lora_layers < 0 else args.lora_layers
@@ -139,6 +156,7 @@ def run_worker(args) -> dict:
         if var in os.environ:
             row[var.lower()] = int(os.environ[var])
 
+    plan = None
     if mode == "segmented":
         plan = _plan(args, model, engine_options.from_args(args, skip=SEARCHED))
         opts = plan.engine.resolved()
@@ -180,7 +198,30 @@ def run_worker(args) -> dict:
     row.update(peak_gb=round(max(peaks), 3), s_per_step=round(sec, 4),
                first_step_s=round(times[0], 4),
                tokens_per_s=round(B * L / sec, 1), steps=args.steps)
+    geom = read_geometry(model, args.lora_rank, None if args.lora_layers < 0 else args.lora_layers,
+                         dtype, args.model)
+    loss_tokens = int(loss_mask(np.array(lengths), L + 1).sum())
+    row.update(throughput(geom, L, B, mode, plan, loss_tokens, B * L / sec, peak_flops))
     return row
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def throughput(geom, seq: int, batch: int, mode: str, plan, loss_tokens: int | None,
+               tokens_per_s: float, peak_flops: float) -> dict:
+    """A row's throughput keys (see the module docstring) for a step of `mode` on `geom`."""
+    from segback.planner.flops import default_matmul_dtype, step_flops
+
+    per_token = step_flops(geom, seq, batch, mode, plan, loss_tokens)["flops_per_token"]
+    model_tflops = per_token * tokens_per_s / 1e12
+    device_tflops = peak_flops / 1e12
+    return {"flops_per_token": round(per_token),
+            "model_tflops": _sig(model_tflops),
+            "device_matmul_tflops": _sig(device_tflops),
+            "matmul_dtype": str(default_matmul_dtype()).split(".")[-1],
+            "hw_fraction": _sig(model_tflops / device_tflops) if device_tflops > 0 else None}
 
 
 def git_revision(root: str | Path | None = None) -> str | None:
