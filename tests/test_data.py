@@ -27,33 +27,10 @@ from segback.data import (
     validation_batches,
 )
 from segback.tokens import normalize_bos
+from segback.models.gguf import family_template
 
 # Gemma 3's chat template (google/gemma-3-*-it), text part.
-GEMMA3_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
+GEMMA3_TEMPLATE = family_template("gemma3")  # Hugging Face's Gemma 3 template
 
 # A tool-calling template in Gemma's turn format. `is defined` (as many real templates test it)
 # breaks on the `tool_calls: None` Arrow adds to every message: segback drops those nulls.

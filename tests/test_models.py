@@ -286,3 +286,21 @@ def prep_args(source, ref, out, **kw):
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return p.parse_args(argv)
+
+
+def test_gguf_without_a_template_gets_the_familys(tmp_path):
+    """A Gemma GGUF that carries no chat template is given Gemma 3's standard one, so the
+    prepared checkpoint prompts the same in segback, mlx_lm.lora and mlx_lm.generate."""
+    import gguf
+
+    from segback.models.gguf import build_tokenizer, family_template, read_metadata
+
+    write_tiny_gguf(tmp_path / "t.gguf", chat_template=False)
+    meta = read_metadata(gguf.GGUFReader(str(tmp_path / "t.gguf")))
+    assert "tokenizer.chat_template" not in meta
+    tok = build_tokenizer(meta)
+    assert tok.chat_template == family_template("gemma3")
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True,
+                                  add_generation_prompt=True, return_dict=False)
+    assert tok.decode(ids).startswith("<bos><start_of_turn>user\n")
+    assert tok.decode(ids).endswith("<end_of_turn>\n<start_of_turn>model\n")

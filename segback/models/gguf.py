@@ -70,16 +70,21 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Bumped when a conversion's output changes (2: the family's chat template when the GGUF has
+# none), so caches of an older converter are not reused.
+CONVERTER_VERSION = 2
+
+
 def gguf_key(ref: str) -> str:
     """A cache key for a GGUF reference, cheap enough to compute before assembling anything."""
     path = Path(ref)
     if path.is_file():
-        return f"{path.stem}-{_sha256(path)[:12]}"
+        return f"{path.stem}-{_sha256(path)[:12]}-v{CONVERTER_VERSION}"
     module = _import_package(ref)
     sha = getattr(module, "EXPECTED_SHA256", None)
     if sha is None:
         sha = importlib.metadata.version(ref)
-    return f"{module.__name__}-{sha[:12]}"
+    return f"{module.__name__}-{sha[:12]}-v{CONVERTER_VERSION}"
 
 
 def _import_package(ref: str):
@@ -229,9 +234,16 @@ def build_tokenizer(meta: dict):
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, add_bos_token=add_bos,
                                   add_eos_token=False,
                                   **{k: v for k, v in kwargs.items() if v is not None})
-    if meta.get("tokenizer.chat_template"):
-        tok.chat_template = meta["tokenizer.chat_template"]
+    tok.chat_template = meta.get("tokenizer.chat_template") or family_template(
+        meta["general.architecture"])
     return tok
+
+
+def family_template(arch: str) -> str | None:
+    """The family's standard chat template (Hugging Face's, shipped as package data), for
+    GGUFs that carry none, so segback, mlx_lm.lora and mlx_lm.generate see the same prompts."""
+    path = Path(__file__).with_name("templates") / f"{arch}.jinja"
+    return path.read_text() if path.exists() else None
 
 
 def eos_token_ids(tokenizer) -> list[int]:
