@@ -8,6 +8,11 @@
 # Each rule calls one `segback <command>` (docs/CONTRACTS.md); the logic lives in the package.
 # Everything that depends on the training length `seq` has `seq{seq}` in its path, so changing
 # `seq` re-runs exactly the seq-dependent rules.
+#
+# Sweeps: `model`, `seq` and `train.lora_rank` may be lists; the DAG then has one branch per
+# combination (shared stages run once) and `all` targets results/sweep_summary.json (.md, .html),
+# one row per branch. Paths and targets of a config without lists are unchanged
+# (workflow/rules/common.smk, README "Sweeps").
 
 import os
 import sys
@@ -20,6 +25,13 @@ min_version("9.0")
 
 
 configfile: "config/config.yaml"
+
+
+# `--config seq=[1024,2048]` reads list items as strings (Snakemake parses --config values with
+# YAML's base loader): make integer-looking ones integers before the schema check.
+for _key in ("seq",):
+    if isinstance(config.get(_key), list):
+        config[_key] = [int(v) if isinstance(v, str) and v.isdigit() else v for v in config[_key]]
 
 
 try:
@@ -36,7 +48,7 @@ include: "workflow/rules/common.smk"
 
 rule all:
     input:
-        f"results/{MODEL}_chunk_score.json",
+        "results/sweep_summary.json" if SWEEP else f"results/{MODEL}_chunk_score.json",
     default_target: True
 
 

@@ -4,6 +4,10 @@ Reads the baseline and fine-tuned score summaries (`segback score`), the trainin
 (`segback train`'s adapter/train_summary.json), the segment plan (`segback plan`) and, when given,
 Snakemake benchmark files; writes `results/{model}_chunk_score.json` after validating it against
 `segback/result.schema.json`, and optionally a small HTML score table for the report.
+
+`segback summarize --sweep BRANCHES` gathers a sweep's per-branch results into one table
+(`results/sweep_summary.json`, `--markdown`, `--table`): one row per branch with its fine-tuned
+score, valid-JSON rate, peak training memory and training time.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import html
+import json
 import math
 import sys
 from pathlib import Path
@@ -259,6 +264,118 @@ def render_table(result: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+# ---- sweeps --------------------------------------------------------------------------------------
+
+# The sweep table's columns after the branch keys: (name, header, where in a result, format key).
+SWEEP_FIELDS = (
+    ("score", "score /100", ("finetuned", "mean_score"), "mean_score"),
+    ("baseline_score", "baseline /100", ("baseline", "mean_score"), "mean_score"),
+    ("delta_score", "Δ score", ("delta", "mean_score"), "mean_score"),
+    ("valid_json_rate", "valid JSON", ("finetuned", "valid_json_rate"), "valid_json_rate"),
+    ("peak_gb", "peak GB", ("training", "peak_gb"), "gb"),
+    ("train_seconds", "training s", ("training", "seconds"), "seconds"),
+    ("steps", "steps", ("training", "steps"), "steps"),
+)
+SWEEP_KEYS = ("model", "seq", "lora_rank")
+
+
+def sweep_rows(branches: list[dict], read=read_json) -> list[dict]:
+    """One row per branch: its keys (model, seq, lora_rank), the table's figures read from its
+    result JSON (`result`), and that path."""
+    rows = []
+    for b in branches:
+        if not isinstance(b, dict) or "result" not in b:
+            raise ResultError(f"sweep branch {b!r}: expected an object with a `result` path")
+        result = read(b["result"])
+        row = {k: b.get(k) for k in SWEEP_KEYS}
+        for name, _, (section, key), _ in SWEEP_FIELDS:
+            part = result.get(section)
+            if not isinstance(part, dict) or key not in part:
+                raise ResultError(f"{b['result']}: missing `{section}.{key}`")
+            row[name] = _number(part[key])
+        row["result"] = b["result"]
+        rows.append(row)
+    return rows
+
+
+def build_sweep(rows: list[dict]) -> dict:
+    """The sweep summary: rows, the keys that vary, and the best branch by fine-tuned score."""
+    swept = [k for k in SWEEP_KEYS if len({json.dumps(r[k]) for r in rows}) > 1]
+    scored = [r for r in rows if isinstance(r["score"], (int, float))]
+    best = max(scored, key=lambda r: r["score"]) if scored else None
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "swept": swept,
+        "best": {k: best[k] for k in (*SWEEP_KEYS, "score", "result")} if best else None,
+        "rows": rows,
+    }
+
+
+def _sweep_cell(name: str, fmt_key: str, v: Any) -> str:
+    if v is None or fmt_key not in {"seconds", "steps"}:
+        return _fmt(fmt_key, v, signed=name.startswith("delta"))
+    return f"{v:.0f}" if isinstance(v, (int, float)) else html.escape(str(v))
+
+
+def _sweep_table(sweep: dict) -> tuple[list[str], list[list[str]]]:
+    headers = [*SWEEP_KEYS, *(h for _, h, _, _ in SWEEP_FIELDS)]
+    cells = [[html.escape(str(r[k])) for k in SWEEP_KEYS]
+             + [_sweep_cell(name, fk, r[name]) for name, _, _, fk in SWEEP_FIELDS]
+             for r in sweep["rows"]]
+    return headers, cells
+
+
+def render_sweep_markdown(sweep: dict) -> str:
+    headers, cells = _sweep_table(sweep)
+    lines = [f"# segback sweep: {len(cells)} branches"
+             + (f" over {', '.join(sweep['swept'])}" if sweep["swept"] else ""), "",
+             "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(html.unescape(c) for c in row) + " |" for row in cells]
+    if sweep["best"]:
+        b = sweep["best"]
+        lines += ["", f"Best fine-tuned score: {b['score']} ({b['model']}, seq {b['seq']}, "
+                      f"rank {b['lora_rank']}; {b['result']})."]
+    return "\n".join(lines) + "\n"
+
+
+def render_sweep_html(sweep: dict) -> str:
+    headers, cells = _sweep_table(sweep)
+    title = f"segback sweep: {len(cells)} branches"
+    best = sweep["best"]["result"] if sweep["best"] else None
+    rows = []
+    for r, row in zip(sweep["rows"], cells):
+        style = ' style="font-weight:bold"' if r["result"] == best else ""
+        rows.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>")
+    return "\n".join([
+        "<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\">", f"<title>{title}</title>",
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "td:first-child{text-align:left}</style></head><body>",
+        f"<h2>{title}</h2><p>Fine-tuned score and valid-JSON rate on the held-out test set, "
+        "peak memory and wall time of training; the best branch in bold.</p>",
+        "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>",
+        *rows, "</table>", "</body></html>",
+    ]) + "\n"
+
+
+def sweep_main(args: argparse.Namespace) -> int:
+    try:
+        branches = json.loads(args.sweep)
+        if not isinstance(branches, list) or not branches:
+            raise ResultError("--sweep expects a JSON list of branches")
+        sweep = build_sweep(sweep_rows(branches))
+    except (OSError, ValueError) as e:  # ResultError and json.JSONDecodeError are ValueErrors
+        print(f"segback summarize --sweep: {e}", file=sys.stderr)
+        return 1
+    if args.table:
+        atomic_write_text(args.table, render_sweep_html(sweep))
+    if args.markdown:
+        atomic_write_text(args.markdown, render_sweep_markdown(sweep))
+    atomic_write_json(args.out, sweep)
+    print(f"{args.out}: {len(sweep['rows'])} branches", file=sys.stderr)
+    return 0
+
+
 def _pairs(items: list[str], flag: str) -> dict:
     out = {}
     for item in items:
@@ -269,12 +386,16 @@ def _pairs(items: list[str], flag: str) -> dict:
     return out
 
 
+SINGLE_REQUIRED = ("model_name", "baseline", "finetuned", "train_summary", "plan")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-name", required=True, help="name of the `models` entry")
-    parser.add_argument("--baseline", required=True, help="score JSON of the stock model")
-    parser.add_argument("--finetuned", required=True, help="score JSON with the adapter")
-    parser.add_argument("--train-summary", required=True, help="adapter/train_summary.json")
-    parser.add_argument("--plan", required=True, help="plan JSON used for training")
+    # Required unless --sweep (checked in main, so the sweep table needs none of them).
+    parser.add_argument("--model-name", help="name of the `models` entry (required)")
+    parser.add_argument("--baseline", help="score JSON of the stock model (required)")
+    parser.add_argument("--finetuned", help="score JSON with the adapter (required)")
+    parser.add_argument("--train-summary", help="adapter/train_summary.json (required)")
+    parser.add_argument("--plan", help="plan JSON used for training (required)")
     parser.add_argument("--benchmarks", nargs="*", default=[], metavar="[NAME=]PATH",
                         help="Snakemake benchmark TSV files or a directory of them "
                              "(stage wall times; missing files are skipped)")
@@ -285,9 +406,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schema", default=str(DEFAULT_SCHEMA), help="result JSON Schema")
     parser.add_argument("--out", required=True, help="result JSON to write")
     parser.add_argument("--table", default=None, help="also write an HTML score table here")
+    parser.add_argument("--sweep", default=None, metavar="JSON",
+                        help="instead: gather a sweep's results into one table; a JSON list of "
+                             "branches {model, seq, lora_rank, result: result JSON path}")
+    parser.add_argument("--markdown", default=None,
+                        help="with --sweep: also write the table as Markdown here")
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "sweep", None) is not None:
+        return sweep_main(args)
+    missing = [f"--{k.replace('_', '-')}" for k in SINGLE_REQUIRED if getattr(args, k) is None]
+    if missing:
+        print(f"segback summarize: the following arguments are required: {', '.join(missing)}",
+              file=sys.stderr)
+        return 2
     try:
         artifacts = _pairs(args.artifact, "--artifact")
         artifacts.setdefault("plan", args.plan)

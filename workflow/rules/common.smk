@@ -5,7 +5,9 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
+import types
 
 # Rules call `segback <command>` exactly as docs/CONTRACTS.md writes it. `segback` is a shell
 # function running the CLI through the interpreter that runs Snakemake (the venv's), so rules never
@@ -32,11 +34,79 @@ DATA = config["data"]
 GPU = config["resources"]["gpu"]
 MEM_MB = config["resources"]["mem_mb"]
 
-if MODEL not in config["models"]:
-    raise ValueError(
-        f"config: model {MODEL!r} is not an entry of `models` "
-        f"(known: {', '.join(sorted(config['models']))})"
-    )
+
+# ---- sweeps --------------------------------------------------------------------------------------
+# `model`, `seq` and `train.lora_rank` may each be a list: the DAG then has one branch per
+# combination (models x seqs x ranks), sharing what does not depend on the swept keys (the
+# dataset; per model the checkpoint, test set and baseline; per model and seq the filtered
+# train/valid data). A branch's directory is results/{model}/seq{seq}/, with `-r{rank}` appended
+# only when the rank is swept (results/{model}/seq{seq}-r{rank}/), so the `seq` wildcard is the
+# branch: a training length, optionally followed by the rank. A config without lists has exactly
+# one branch, results/{model}/seq{seq}/, and the usual target results/{model}_chunk_score.json.
+def _as_list(value):
+    return list(value) if isinstance(value, list) else [value]
+
+
+MODELS = _as_list(MODEL)
+SEQS = _as_list(SEQ)
+LORA_RANKS = _as_list(TRAIN["lora_rank"])
+RANK_SWEPT = isinstance(TRAIN["lora_rank"], list)
+SWEEP = any(isinstance(v, list) for v in (MODEL, SEQ, TRAIN["lora_rank"]))
+
+
+def branch_tag(seq, rank):
+    """The `seq` wildcard of a branch: `512`, or `512-r8` when train.lora_rank is swept."""
+    return f"{seq}-r{rank}" if RANK_SWEPT else str(seq)
+
+
+BRANCHES = [
+    {"model": m, "seq": s, "lora_rank": r, "tag": branch_tag(s, r)}
+    for m in MODELS
+    for s in SEQS
+    for r in LORA_RANKS
+]
+
+
+def seq_len(wildcards):
+    """The training length of a branch (the `seq` wildcard without its rank)."""
+    return int(wildcards.seq.partition("-r")[0])
+
+
+def lora_rank(wildcards):
+    """The LoRA rank of a branch: named in its path, or the configured (single) rank."""
+    _, sep, rank = wildcards.seq.partition("-r")
+    if sep:
+        return int(rank)
+    if RANK_SWEPT:
+        raise ValueError(
+            f"train.lora_rank is swept ({LORA_RANKS}): name the rank in the path, "
+            f"results/{{model}}/seq{wildcards.seq}-r{{rank}}/..."
+        )
+    return TRAIN["lora_rank"]
+
+
+def single_tag():
+    """The branch of a config that sweeps neither `seq` nor the rank (results/{model}_...)."""
+    if isinstance(SEQ, list) or RANK_SWEPT:
+        raise ValueError(
+            "config sweeps `seq` or `train.lora_rank`: there is no single "
+            "results/{model}_chunk_score.json; per-branch results are "
+            "results/{model}/seq{seq}/chunk_score.json, the table results/sweep_summary.json"
+        )
+    return str(SEQ)
+
+
+def wildcard_tag(wildcards):
+    """The job's branch: its `seq` wildcard, or the single configured one."""
+    return wildcards.seq if "seq" in wildcards.keys() else single_tag()
+
+
+for _m in MODELS:
+    if _m not in config["models"]:
+        raise ValueError(
+            f"config: model {_m!r} is not an entry of `models` "
+            f"(known: {', '.join(sorted(config['models']))})"
+        )
 
 # Names that are results/ folders of their own cannot be model names.
 _RESERVED = {"data", "logs", "benchmarks"}
@@ -46,10 +116,11 @@ if _RESERVED & set(config["models"]):
 
 wildcard_constraints:
     model="|".join(re.escape(m) for m in sorted(config["models"], key=len, reverse=True)),
-    seq=r"\d+",
+    seq=r"\d+(?:-r\d+)?",
     split="train|valid",
-    variant=r"baseline|seq\d+/finetuned",
-    stage="data|train|eval",
+    variant=r"baseline|seq\d+(?:-r\d+)?/finetuned",
+    # `train` is the single config's training stamp; `train-seq{seq}` a sweep branch's.
+    stage=r"data|eval|train(?:-seq\d+(?:-r\d+)?)?",
 
 
 localrules:
@@ -57,11 +128,18 @@ localrules:
     config_stamp,
     plots,
     summarize,
+    summarize_branch,
+    sweep_summary,
 
 
 def stage_config(model, stage):
-    """The config a stage's outputs depend on, as JSON: the params of its stamp (segback stamp)."""
+    """The config a stage's outputs depend on, as JSON: the params of its stamp (segback stamp).
+    `train-seq{seq}` is a sweep branch's training config (its length and rank)."""
     entry = config["models"][model]
+    if stage.startswith("train-seq"):
+        branch = types.SimpleNamespace(seq=stage[len("train-seq"):])
+        train = {"model": entry, "seq": seq_len(branch), **TRAIN, "lora_rank": lora_rank(branch)}
+        return json.dumps(train, sort_keys=True)
     parts = {
         "data": {"data": DATA},
         "train": {"model": entry, "seq": SEQ, **TRAIN},
@@ -70,9 +148,67 @@ def stage_config(model, stage):
     return json.dumps(parts[stage], sort_keys=True)
 
 
+def stamp_files(model, tag=None):
+    """The config stamps behind a result: the single config's, or a sweep branch's."""
+    train = "train" if tag is None else f"train-seq{tag}"
+    return [f"results/{model}/config/{stage}.json" for stage in ("data", train, "eval")]
+
+
 def opt(flag, value):
     """`--flag value` for an optional CLI option, or "" when the value is null."""
     return "" if value is None else f"{flag} {shlex.quote(str(value))}"
+
+
+# ---- data-parallel training ---------------------------------------------------------------------
+# train.ranks > 1 runs `segback train` under a launcher (mlx.launch; docs/distributed.md): every
+# rank runs the same command on its slice of the global batch (ranks x batch_size). The job keeps
+# the cores Snakemake gives it (`threads`), shared out among the ranks; a ring or NCCL launch
+# gets a free port at run time, so two launches on one host do not collide. mlx.launch exits 0
+# even when a rank fails, so the log is checked for its "Node with rank R exited" warning.
+RANKS = TRAIN.get("ranks", 1)
+LAUNCHER = TRAIN.get("launcher", "mlx.launch")
+BACKEND = TRAIN.get("backend", "ring")
+_PORT_FLAG = {"ring": "--starting-port", "nccl": "--nccl-port"}
+FREE_PORT = (
+    f"{shlex.quote(sys.executable)} -c 'import socket; s = socket.socket(); "
+    "s.bind((\"127.0.0.1\", 0)); print(s.getsockname()[1])'"
+)
+
+
+def _launcher_command():
+    """The launcher as a command: a bare name not on PATH is looked up beside the interpreter
+    (the venv's bin/, where mlx.launch lives when Snakemake runs as .venv/bin/snakemake)."""
+    words = shlex.split(LAUNCHER)
+    beside = os.path.join(os.path.dirname(sys.executable), words[0])
+    if "/" not in words[0] and not shutil.which(words[0]) and os.access(beside, os.X_OK):
+        words[0] = beside
+    return shlex.join(words)
+
+
+def train_command():
+    """The shell command that starts training: `segback train` (one process), or its launch on
+    train.ranks ranks. Literal braces are doubled for Snakemake; it fills in {threads}."""
+    if RANKS == 1:
+        return "segback train"
+    esc = lambda text: text.replace("{", "{{").replace("}", "}}")
+    per_rank = f"$(( {{threads}} >= {RANKS} ? {{threads}} / {RANKS} : 1 ))"
+    port = f' {_PORT_FLAG[BACKEND]} "$({esc(FREE_PORT)})"' if BACKEND in _PORT_FLAG else ""
+    return (
+        f"{esc(_launcher_command())} -n {RANKS} --backend {esc(shlex.quote(BACKEND))}{port}"
+        f" --env OMP_NUM_THREADS={per_rank} --env OPENBLAS_NUM_THREADS={per_rank}"
+        f" -- {esc(SEGBACK)} train"
+    )
+
+
+def launch_check():
+    """After a launch: fail when the launcher reported a failed rank (mlx.launch exits 0)."""
+    if RANKS == 1:
+        return ""
+    return (
+        " && if grep -Eq 'Node with rank [0-9]+ (exited with code|was killed)' {log}; then"
+        " echo 'segback: a training rank failed (the launcher exits 0 regardless)' >> {log};"
+        " false; fi"
+    )
 
 
 def model_entry(wildcards):
@@ -96,22 +232,24 @@ def model_extra(wildcards):
 
 
 def plan_file(model, seq):
-    """The plan train_lora uses: planned by plan_segments, or the configured file."""
+    """The plan train_lora uses: planned by plan_segments, or the configured file. `seq` is the
+    branch (its `seq` wildcard)."""
     if TRAIN["plan"] == "auto":
         return f"results/{model}/seq{seq}/plan.json"
     return TRAIN["plan"]
 
 
 def benchmark_files(model, seq):
-    """NAME=PATH pairs of every stage benchmark behind results/{model}_chunk_score.json."""
+    """NAME=PATH pairs of every stage benchmark behind a result; `seq` is the branch."""
     b = "results/benchmarks"
     s = f"{b}/{model}/seq{seq}"
+    seq_only = str(seq).partition("-r")[0]  # filter_data is shared by the ranks of a length
     stages = {
         "prepare_model": f"{b}/{model}/prepare_model.tsv",
         "build_dataset": f"{b}/data/build_dataset.tsv",
         "filter_test": f"{b}/{model}/filter_test.tsv",
-        "filter_data_train": f"{s}/filter_data_train.tsv",
-        "filter_data_valid": f"{s}/filter_data_valid.tsv",
+        "filter_data_train": f"{b}/{model}/seq{seq_only}/filter_data_train.tsv",
+        "filter_data_valid": f"{b}/{model}/seq{seq_only}/filter_data_valid.tsv",
         "baseline_eval": f"{b}/{model}/baseline_eval.tsv",
         "score_baseline": f"{b}/{model}/baseline/score.tsv",
         "plan_segments": f"{s}/plan_segments.tsv",

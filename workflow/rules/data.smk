@@ -1,6 +1,7 @@
 # Dataset: build once (model-independent), then length-filter with each model's tokenizer.
 # The test split is filtered at eval.max_prompt_tokens, so the held-out set never depends on
-# `seq`; train/valid are filtered at the training length and live under seq{seq}/.
+# `seq`; train/valid are filtered at the training length and live under seq{seq}/ (one copy per
+# model and length, shared by the branches of a swept train.lora_rank, seq{seq}-r{rank}/).
 
 
 rule build_dataset:
@@ -57,6 +58,8 @@ rule filter_test:
 
 
 rule filter_data:
+    wildcard_constraints:
+        seq=r"\d+",  # a training length: the filtered data does not depend on the LoRA rank
     input:
         model="results/{model}/model",
         data="results/data/{split}.jsonl",

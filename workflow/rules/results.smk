@@ -1,6 +1,8 @@
 # Report figures and the final result: results/{model}_chunk_score.json (validated against
 # segback/result.schema.json) and its HTML score table. summarize takes the configured
-# `seq`, so changing `seq` re-runs it (its inputs change).
+# `seq`, so changing `seq` re-runs it (its inputs change). A sweep (common.smk) summarizes each
+# branch into results/{model}/seq{seq}/chunk_score.json (summarize_branch) and gathers the
+# branches into results/sweep_summary.{json,md,html} (sweep_summary).
 
 
 rule plots:
@@ -51,14 +53,14 @@ rule config_stamp:
 
 rule summarize:
     input:
-        stamps=expand("results/{{model}}/config/{stage}.json", stage=("data", "train", "eval")),
+        stamps=lambda w: stamp_files(w.model, w.seq if "seq" in w.keys() else None),
         schema=os.path.join(workflow.basedir, "segback/result.schema.json"),
         baseline="results/{model}/baseline/score.json",
-        finetuned=f"results/{{model}}/seq{SEQ}/finetuned/score.json",
-        adapter=f"results/{{model}}/seq{SEQ}/adapter",
-        plan=lambda w: plan_file(w.model, SEQ),
-        loss=f"results/{{model}}/seq{SEQ}/plots/loss.png",
-        memory=f"results/{{model}}/seq{SEQ}/plots/memory.png",
+        finetuned=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/finetuned/score.json",
+        adapter=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/adapter",
+        plan=lambda w: plan_file(w.model, wildcard_tag(w)),
+        loss=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/plots/loss.png",
+        memory=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/plots/memory.png",
     output:
         json=report(
             "results/{model}_chunk_score.json",
@@ -74,7 +76,7 @@ rule summarize:
         ),
     params:
         train_summary=lambda w, input: os.path.join(input.adapter, "train_summary.json"),
-        benchmarks=lambda w: benchmark_files(w.model, SEQ),
+        benchmarks=lambda w: benchmark_files(w.model, wildcard_tag(w)),
     log:
         "results/logs/{model}/summarize.log",
     benchmark:
@@ -89,3 +91,56 @@ rule summarize:
         " --artifact loss_plot={input.loss} --artifact memory_plot={input.memory}"
         " $(printf -- '--stamp %s ' {input.stamps})"
         " --out {output.json} --table {output.table} > {log} 2>&1"
+
+
+# One sweep branch's result: the same summary, for the branch named by its path.
+use rule summarize as summarize_branch with:
+    output:
+        json=report(
+            "results/{model}/seq{seq}/chunk_score.json",
+            caption="../report/result.rst",
+            category="Scores",
+            labels={"model": "{model}", "seq": "{seq}", "table": "result JSON"},
+        ),
+        table=report(
+            "results/{model}/seq{seq}/chunk_score.html",
+            caption="../report/score_table.rst",
+            category="Scores",
+            labels={"model": "{model}", "seq": "{seq}", "table": "baseline vs fine-tuned"},
+        ),
+    log:
+        "results/logs/{model}/seq{seq}/summarize.log",
+    benchmark:
+        "results/benchmarks/{model}/seq{seq}/summarize.tsv"
+
+
+# The sweep's table: one row per branch (score, valid-JSON rate, peak memory, training time).
+rule sweep_summary:
+    input:
+        [f"results/{b['model']}/seq{b['tag']}/chunk_score.json" for b in BRANCHES],
+    output:
+        json="results/sweep_summary.json",
+        markdown="results/sweep_summary.md",
+        table=report(
+            "results/sweep_summary.html",
+            category="Scores",
+            labels={"model": "all branches", "table": "sweep summary"},
+        ),
+    params:
+        branches=json.dumps(
+            [
+                {k: b[k] for k in ("model", "seq", "lora_rank")}
+                | {"result": f"results/{b['model']}/seq{b['tag']}/chunk_score.json"}
+                for b in BRANCHES
+            ]
+        ),
+    log:
+        "results/logs/sweep_summary.log",
+    benchmark:
+        "results/benchmarks/sweep_summary.tsv"
+    threads: 1
+    resources:
+        mem_mb=1000,
+    shell:
+        "segback summarize --sweep {params.branches:q} --out {output.json}"
+        " --markdown {output.markdown} --table {output.table} > {log} 2>&1"

@@ -1,5 +1,7 @@
 # Plan segments for the training length, train the LoRA adapter with segmented backward, and
-# export it (mlx-lm layout + PEFT). All outputs live under results/{model}/seq{seq}/.
+# export it (mlx-lm layout + PEFT). All outputs live under the branch's directory
+# results/{model}/seq{seq}/, where the `seq` wildcard is the training length followed by
+# `-r{rank}` when train.lora_rank is swept (common.smk: seq_len, lora_rank).
 
 
 rule plan_segments:
@@ -13,9 +15,9 @@ rule plan_segments:
             labels={"model": "{model}", "seq": "{seq}", "figure": "segment plan"},
         ),
     params:
-        seq=lambda w: int(w.seq),
+        seq=seq_len,
         batch=TRAIN["batch_size"],
-        lora_rank=TRAIN["lora_rank"],
+        lora_rank=lora_rank,
         lora_layers=opt(
             "--lora-layers", None if TRAIN["num_layers"] == -1 else TRAIN["num_layers"]
         ),
@@ -42,21 +44,21 @@ rule plan_segments:
 rule train_lora:
     input:
         model="results/{model}/model",
-        train="results/{model}/seq{seq}/data/train.jsonl",
-        valid="results/{model}/seq{seq}/data/valid.jsonl",
+        train=lambda w: f"results/{w.model}/seq{seq_len(w)}/data/train.jsonl",
+        valid=lambda w: f"results/{w.model}/seq{seq_len(w)}/data/valid.jsonl",
         plan=lambda w: plan_file(w.model, w.seq),
     output:
         adapter=directory("results/{model}/seq{seq}/adapter"),
         log="results/{model}/seq{seq}/train_log.jsonl",
     params:
         data=lambda w, input: os.path.dirname(input.train),
-        seq=lambda w: int(w.seq),
+        seq=seq_len,
         iters=TRAIN["iters"],
         batch_size=TRAIN["batch_size"],
         grad_accumulation_steps=TRAIN["grad_accum"],
         learning_rate=TRAIN["learning_rate"],
         warmup=TRAIN["warmup"],
-        lora_rank=TRAIN["lora_rank"],
+        lora_rank=lora_rank,
         lora_scale=TRAIN["lora_scale"],
         lora_dropout=TRAIN["lora_dropout"],
         num_layers=TRAIN["num_layers"],
@@ -73,24 +75,31 @@ rule train_lora:
         "results/logs/{model}/seq{seq}/train_lora.log",
     benchmark:
         "results/benchmarks/{model}/seq{seq}/train_lora.tsv"
+    # train.ranks > 1: the launcher's ranks share these threads; one GPU per rank (nccl).
     threads: HEAVY_THREADS
     resources:
         mem_mb=MEM_MB,
-        gpu=GPU,
+        gpu=GPU * RANKS,
     shell:
-        "segback train --train --model {input.model} --data {params.data}"
-        " --adapter-path {output.adapter} --plan {input.plan} --max-seq-length {params.seq}"
-        " --iters {params.iters} --batch-size {params.batch_size}"
-        " --grad-accumulation-steps {params.grad_accumulation_steps}"
-        " --learning-rate {params.learning_rate} --warmup {params.warmup}"
-        " --fine-tune-type lora --lora-rank {params.lora_rank}"
-        " --lora-scale {params.lora_scale} --lora-dropout {params.lora_dropout}"
-        " --num-layers {params.num_layers} --mask-prompt"
-        " --steps-per-eval {params.steps_per_eval} --save-every {params.save_every}"
-        " --seed {params.seed} --compile {params.compile}"
-        " --checkpoint-dir {params.work}/checkpoints --restart-on-change {params.clean}"
-        " --log {params.work}/train_log.jsonl > {log} 2>&1"
-        " && cp {params.work}/train_log.jsonl {output.log}"
+        "".join(
+            (
+                train_command(),  # `segback train`, or its launch when train.ranks > 1
+                " --train --model {input.model} --data {params.data}"
+                " --adapter-path {output.adapter} --plan {input.plan} --max-seq-length {params.seq}"
+                " --iters {params.iters} --batch-size {params.batch_size}"
+                " --grad-accumulation-steps {params.grad_accumulation_steps}"
+                " --learning-rate {params.learning_rate} --warmup {params.warmup}"
+                " --fine-tune-type lora --lora-rank {params.lora_rank}"
+                " --lora-scale {params.lora_scale} --lora-dropout {params.lora_dropout}"
+                " --num-layers {params.num_layers} --mask-prompt"
+                " --steps-per-eval {params.steps_per_eval} --save-every {params.save_every}"
+                " --seed {params.seed} --compile {params.compile}"
+                " --checkpoint-dir {params.work}/checkpoints --restart-on-change {params.clean}"
+                " --log {params.work}/train_log.jsonl > {log} 2>&1",
+                launch_check(),  # "" for one process
+                " && cp {params.work}/train_log.jsonl {output.log}",
+            )
+        )
 
 
 rule export_adapter:
