@@ -181,3 +181,30 @@ def test_report_to_uses_mlx_lm_callbacks_or_says_what_is_missing():
     with pytest.raises(ValueError, match="tensorboard callback doesn't exist"):
         cli.reporting_callback(parse(["--model", "m", "--data", "d", "--report-to",
                                       "tensorboard"]))
+
+
+def test_workflow_train_rule_is_checked_against_the_declaration(tmp_path):
+    """The flags the workflow's train_lora rule passes are all declared options of `segback
+    train` with valid values (the rule is checked against the one declaration)."""
+    import argparse
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from segback.trainer.config import add_arguments, from_args
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile",
+                          str(repo / "Snakefile"), "--directory", str(tmp_path), "-n", "-p",
+                          "--cores", "2", "--configfile", str(repo / "config" / "config.yaml"),
+                          "--", "results/gemma3/seq2048/adapter"],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if re.search(r"(^|: )segback train ", x))
+    argv = shlex.split(line.split("segback train ", 1)[1].split(">")[0])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = from_args(parser.parse_args(argv))
+    assert cfg.iters == 60 and cfg.max_seq_length == 2048 and cfg.mask_prompt
+    assert cfg.checkpoint_dir.endswith("train_work/checkpoints") and cfg.restart_on_change

@@ -1,18 +1,14 @@
 """Host-memory parking for the tiled engine's boundaries and per-layer inputs.
 
-Measured on the H200 (bench/tiled_profile.py --step, e4b at 8K, 42 boundaries and 42 per-layer
-inputs): copying out and back in the calling thread cost 0.7 s + 0.85 s of a 6.3 s step, the
-GPU idle meanwhile (MLX-CUDA memory is managed memory; a host copy runs at ~2.5 GB/s).
-
-The copy out runs on a worker thread while the GPU computes (numpy's copy releases the GIL),
+MLX-CUDA memory is managed memory and a host copy is slow, so copies must not stall the GPU:
+the copy out runs on a worker thread while the device computes (numpy's copy releases the GIL),
 from a device copy of its own, so the CPU's reads do not pull away pages the next layer reads.
 The copy back stays in the calling thread: `mx.array(numpy)` holds the GIL, and on a worker it
-stalled the thread that feeds the GPU (measured: the step got no faster). `prefetch` (off by
-default) starts it one layer early instead: the host copy lands in a fresh array and
-a copy kernel on a side stream pulls it onto the device while the layer before it runs on the
-main stream; on the H200 that measured no faster either. What did help is not copying:
-boundaries the planner keeps on the device (`boundaries_on_device`, room made by parking Gemma-4's
-per-layer table, segback.engine.host_table) took e4b's 8K step from 6.1 to 4.9 s.
+would stall the thread that feeds the GPU. `prefetching` (off by default) starts it one layer
+early instead: the host copy lands in a fresh array and a copy kernel on a side stream pulls it
+onto the device while the layer before it runs on the main stream. Cheaper still is not
+copying: boundaries the planner keeps on the device (`boundaries_on_device`, room made by
+parking Gemma-4's per-layer table, segback.engine.host_table). Timings: bench/RESULTS.md.
 At most `MAX_PENDING` arrays wait for their copy out, each alive on the device until copied:
 without that bound, parking many arrays in a row (the per-layer inputs) would keep them all.
 """

@@ -13,13 +13,12 @@ over the whole sequence (-> dQ, dK, dV); VJP of the pre pass per tile (-> dh, pa
 Alive at once: the layer's Q, K, V, dO and their gradients, [L, heads x head_dim] each, plus one
 tile's activations; never an [L, MLP width] array. dO, rowsum(dO * O), dQ and the post pass's
 dh stay in the tiles or chunks they were computed in (`attention.Rows`): a concatenated copy
-beside them was part of why the planner was low at long L (bench/RESULTS.md, measured on CPU).
+beside them would be one more whole-sequence array at the layer's peak.
 
 Two tile sizes: `tile` for the post pass's VJP, the one pass that holds MLP activations and
 their cotangents, and `light_tile` (default: `tile`) for the passes that hold no MLP cotangents:
 the pre pass, its VJP and the forward post pass. Fewer, larger tiles there cut the per-tile cost
-(graph build and launches, ~4.5 ms a tile on the H200 at e4b's width) where memory allows;
-measured at 8K on the H200 the step got no faster beyond run-to-run noise (bench/RESULTS.md).
+(graph build and kernel launches) where memory allows.
 
 Boundaries (the hidden state entering each segment) and per-layer inputs can live in host memory
 (`offload=True`, `segback.engine.offload`): copied out once in the forward (on a worker
