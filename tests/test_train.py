@@ -397,3 +397,42 @@ def test_checkpoint_dir_survives_the_adapter_dir_and_restarts_on_change(tmp_path
     assert again["resumed_from"] is None
     assert "another setting (learning_rate" in capsys.readouterr().err
     assert not ckpt.exists()
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    """A checkpoint that cannot be written (ENOSPC) stops the run with the path it could not
+    write; the checkpoint before it is whole and the next run resumes from it."""
+    import errno
+
+    from segback.io import WriteError
+    from segback.trainer import checkpoints
+
+    real, calls = checkpoints.save_safetensors_atomic, []
+
+    def full_on_second_checkpoint(path, arrays, *a, **k):
+        calls.append(path)
+        if "step_000004" in str(path):
+            raise WriteError(errno.ENOSPC, f"could not write {path}: No space left on device")
+        return real(path, arrays, *a, **k)
+
+    monkeypatch.setattr(checkpoints, "save_safetensors_atomic", full_on_second_checkpoint)
+    cfg = small_cfg(tmp_path, iters=6)
+    with pytest.raises(WriteError, match="step_000004.*No space left"):
+        tiny_run(cfg, chat_rows(4))
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))] == [
+        "step_000002"]
+    monkeypatch.setattr(checkpoints, "save_safetensors_atomic", real)
+    assert tiny_run(cfg, chat_rows(4))["resumed_from"] == 2
+
+
+def test_unwritable_adapter_path_is_one_line(tmp_path, capsys):
+    """An output directory that cannot be made (here under a file: permissions do not stop
+    root) is named in one line, without a traceback."""
+    from segback.cli import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    rc = main(["train", "--model", "tiny-llama", "--data", str(tmp_path),
+               "--adapter-path", str(blocker / "out"), "--iters", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(blocker / "out") in err and "Traceback" not in err, err

@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"segback train: {e}", file=sys.stderr)
         return 3
     except (ConfigError, DataError, ResumeError, OptionsError, PlanError, ValueError,
-            FileNotFoundError, ImportError, LockedError) as e:
+            OSError, ImportError, LockedError) as e:
         print(f"segback train: error: {distributed.who(world)}{e}", file=sys.stderr)
         return 2
     keys = ("steps", "first_loss", "final_loss", "val_loss", "peak_gb", "seconds",
