@@ -23,10 +23,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "summarize": ("segback.results", "assemble the experiment's result JSON"),
     "plots": ("segback.plots", "plot loss and memory curves for the report"),
     "stamp": ("segback.stamp", "record a stage's effective config (for the workflow)"),
+    "evaluate": ("segback.evaluate", "held-out loss and perplexity; the token filter of own data"),
 }
 
 # Commands that run the model and so benefit from the OpenBLAS preload on Linux CPU.
-COMPUTE_COMMANDS = {"filter-data", "generate", "plan", "train", "export", "bench"}
+COMPUTE_COMMANDS = {"filter-data", "generate", "plan", "train", "export", "bench", "evaluate"}
 
 
 def build_parser() -> argparse.ArgumentParser:

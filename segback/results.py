@@ -8,6 +8,11 @@ Snakemake benchmark files; writes `results/{model}_chunk_score.json` after valid
 `segback summarize --sweep BRANCHES` gathers a sweep's per-branch results into one table
 (`results/sweep_summary.json`, `--markdown`, `--table`): one row per branch with its fine-tuned
 score, valid-JSON rate, peak training memory and training time.
+
+`segback summarize --task generic` does the same for the workflow's generic task (the user's own
+data): the baseline and fine-tuned held-out loss and perplexity (`segback evaluate`), and, when
+a scorer ran, its scores beside them, into `results/{model}_{dataset}_eval.json`, validated
+against `segback/generic_result.schema.json`. A sweep of such results is tabled by loss.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from segback.io import atomic_write_json, atomic_write_text, read_json
 
 SCHEMA_VERSION = 1
 DEFAULT_SCHEMA = Path(__file__).with_name("result.schema.json")  # package data
+GENERIC_SCHEMA = Path(__file__).with_name("generic_result.schema.json")  # package data
 
 # Scalar metrics of `segback score`, in table order. `n` is copied but has no delta.
 METRICS = (
@@ -37,6 +43,9 @@ TRAINING_FIELDS = (
     "steps", "seq", "batch_size", "segments", "peak_gb", "seconds", "tokens", "first_loss",
     "final_loss", "val_loss", "tokens_per_second",
 )
+# Figures of `segback evaluate` (held-out loss) in a generic result; loss and ppl get a delta.
+EVAL_FIELDS = ("loss", "ppl", "tokens", "examples")
+EVAL_DELTA = ("loss", "ppl")
 
 
 class ResultError(ValueError):
@@ -186,6 +195,63 @@ def build_result(model_name: str, baseline: dict, finetuned: dict, train_summary
     return result
 
 
+def eval_of(ev: dict, source: str) -> dict:
+    """The held-out figures of a `segback evaluate` output (loss, ppl, tokens, examples)."""
+    if not isinstance(ev, dict):
+        raise ResultError(f"{source}: expected a JSON object, got {type(ev).__name__}")
+    missing = [k for k in EVAL_FIELDS if k not in ev]
+    if missing:
+        raise ResultError(f"{source}: missing evaluation field(s) {', '.join(missing)}")
+    out = {k: _number(ev[k]) for k in EVAL_FIELDS}
+    for k in ("dropped", "truncated", "max_seq_length", "seconds"):
+        if isinstance(ev.get(k), (int, float)) and not isinstance(ev.get(k), bool):
+            out[k] = _number(ev[k])
+    return out
+
+
+def build_generic_result(model_name: str, dataset: str, baseline_eval: dict,
+                         finetuned_eval: dict, train_summary: dict, plan: dict,
+                         stages: dict | None = None, artifacts: dict | None = None,
+                         sources: dict | None = None, scorer: str | None = None,
+                         baseline_score: dict | None = None,
+                         finetuned_score: dict | None = None) -> dict:
+    """The generic task's result: held-out loss/perplexity before and after, and with a
+    scorer its scores (`scores.baseline`, `scores.finetuned`, `scores.delta`)."""
+    src = {"baseline_eval": "baseline evaluation", "finetuned_eval": "fine-tuned evaluation",
+           "baseline": "baseline score", "finetuned": "fine-tuned score",
+           "train": "train summary", "plan": "plan", **(sources or {})}
+    base = eval_of(baseline_eval, src["baseline_eval"])
+    tuned = eval_of(finetuned_eval, src["finetuned_eval"])
+    delta = {}
+    for k in EVAL_DELTA:
+        b, f = base[k], tuned[k]
+        delta[k] = round(f - b, 6) if None not in (b, f) else None
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "task": "generic",
+        "dataset": dataset,
+        "model": model_name,
+        "baseline": base,
+        "finetuned": tuned,
+        "delta": delta,
+        "training": training_of(train_summary, plan, src["train"]),
+        "plan": plan_of(plan, src["plan"]),
+        "stages": dict(stages or {}),
+    }
+    if scorer:
+        if baseline_score is None or finetuned_score is None:
+            raise ResultError(f"scorer {scorer}: both the baseline and the fine-tuned score "
+                              "are needed (--baseline, --finetuned)")
+        b_scores = metrics_of(baseline_score, src["baseline"])
+        f_scores = metrics_of(finetuned_score, src["finetuned"])
+        result["scorer"] = scorer
+        result["scores"] = {"baseline": b_scores, "finetuned": f_scores,
+                            "delta": delta_of(b_scores, f_scores)}
+    if artifacts:
+        result["artifacts"] = dict(artifacts)
+    return result
+
+
 def check_stamps(stamps: list[dict], training: dict, source: str) -> dict[str, str]:
     """Each stage's config hash; refuses a training run whose steps or length are not what
     the training stamp says (a stale summary left by an earlier config)."""
@@ -264,6 +330,50 @@ def render_table(result: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def render_generic_table(result: dict) -> str:
+    """A self-contained HTML page of a generic result: held-out loss and perplexity before and
+    after fine-tuning, the scorer's scores when there are any, and the training figures."""
+    def table(base: dict, tuned: dict, delta: dict, keys: list[str]) -> list[str]:
+        rows = ["<table><tr><th>metric</th><th>baseline</th><th>fine-tuned</th>"
+                "<th>delta</th></tr>"]
+        for k in keys:
+            note = " (lower is better)" if k in LOWER_IS_BETTER | set(EVAL_DELTA) else ""
+            rows.append(f"<tr><td>{html.escape(k)}{note}</td><td>{_fmt(k, base.get(k))}</td>"
+                        f"<td>{_fmt(k, tuned.get(k))}</td>"
+                        f"<td>{_fmt(k, delta.get(k), signed=True)}</td></tr>")
+        return [*rows, "</table>"]
+
+    base, tuned = result["baseline"], result["finetuned"]
+    title = (f"segback result: {html.escape(result['model'])} on "
+             f"{html.escape(result['dataset'])}")
+    parts = [
+        "<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\">", f"<title>{title}</title>",
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "td:first-child{text-align:left}</style></head><body>",
+        f"<h2>{title}</h2><h3>Held-out test loss</h3>",
+        *table(base, tuned, result["delta"], list(EVAL_FIELDS)),
+    ]
+    if "scores" in result:
+        sc = result["scores"]
+        keys = [m for m in METRICS if m in sc["finetuned"]] + \
+            [m for m in sc["finetuned"] if m not in METRICS]
+        parts += [f"<h3>Scores ({html.escape(result['scorer'])})</h3>",
+                  *table(sc["baseline"], sc["finetuned"], sc["delta"], keys)]
+    t = result["training"]
+    train_rows = [f"<tr><td>{html.escape(k)}</td><td>{_fmt(k, v)}</td></tr>"
+                  for k, v in t.items() if k != "segments"]
+    segs = ", ".join(f"[{a}, {b})" for a, b in t["segments"])
+    train_rows.append(f"<tr><td>segments</td><td>{len(t['segments'])}: {segs}</td></tr>")
+    parts += ["<h3>Training</h3><table>", *train_rows, "</table>"]
+    stage_rows = [f"<tr><td>{html.escape(k)}</td><td>{v['seconds']:.1f}</td></tr>"
+                  for k, v in result["stages"].items()]
+    if stage_rows:
+        parts += ["<h3>Stage wall time (s)</h3><table>", *stage_rows, "</table>"]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
 # ---- sweeps --------------------------------------------------------------------------------------
 
 # The sweep table's columns after the branch keys: (name, header, where in a result, format key).
@@ -277,6 +387,24 @@ SWEEP_FIELDS = (
     ("steps", "steps", ("training", "steps"), "steps"),
 )
 SWEEP_KEYS = ("model", "seq", "lora_rank")
+# A generic task's sweep: held-out loss and perplexity (lower is better), and the training figures.
+GENERIC_SWEEP_FIELDS = (
+    ("loss", "test loss", ("finetuned", "loss"), "loss"),
+    ("baseline_loss", "baseline loss", ("baseline", "loss"), "loss"),
+    ("delta_loss", "Δ loss", ("delta", "loss"), "loss"),
+    ("ppl", "ppl", ("finetuned", "ppl"), "ppl"),
+    ("baseline_ppl", "baseline ppl", ("baseline", "ppl"), "ppl"),
+    *SWEEP_FIELDS[4:],  # peak GB, training seconds, steps
+)
+GENERIC_SCORE_FIELD = ("score", "score", ("scores", "finetuned", "mean_score"), "mean_score")
+
+
+def sweep_fields(sweep_or_result: dict) -> tuple:
+    """The table's columns: a chunking sweep's, or a generic one's (+ the score with a scorer)."""
+    if sweep_or_result.get("task") != "generic":
+        return SWEEP_FIELDS
+    scored = "scores" in sweep_or_result or sweep_or_result.get("scored")
+    return GENERIC_SWEEP_FIELDS + ((GENERIC_SCORE_FIELD,) if scored else ())
 
 
 def sweep_rows(branches: list[dict], read=read_json) -> list[dict]:
@@ -288,25 +416,33 @@ def sweep_rows(branches: list[dict], read=read_json) -> list[dict]:
             raise ResultError(f"sweep branch {b!r}: expected an object with a `result` path")
         result = read(b["result"])
         row = {k: b.get(k) for k in SWEEP_KEYS}
-        for name, _, (section, key), _ in SWEEP_FIELDS:
-            part = result.get(section)
-            if not isinstance(part, dict) or key not in part:
-                raise ResultError(f"{b['result']}: missing `{section}.{key}`")
-            row[name] = _number(part[key])
+        for name, _, path, _ in sweep_fields(result):
+            part = result
+            for key in path:
+                if not isinstance(part, dict) or key not in part:
+                    raise ResultError(f"{b['result']}: missing `{'.'.join(path)}`")
+                part = part[key]
+            row[name] = _number(part)
         row["result"] = b["result"]
         rows.append(row)
     return rows
 
 
-def build_sweep(rows: list[dict]) -> dict:
-    """The sweep summary: rows, the keys that vary, and the best branch by fine-tuned score."""
+def build_sweep(rows: list[dict], task: str = "chunking") -> dict:
+    """The sweep summary: rows, the keys that vary, and the best branch: by fine-tuned score,
+    or (generic task) by fine-tuned test loss."""
     swept = [k for k in SWEEP_KEYS if len({json.dumps(r[k]) for r in rows}) > 1]
-    scored = [r for r in rows if isinstance(r["score"], (int, float))]
-    best = max(scored, key=lambda r: r["score"]) if scored else None
+    by = "loss" if task == "generic" else "score"
+    scored = [r for r in rows if isinstance(r[by], (int, float))]
+    pick = min if by == "loss" else max
+    best = pick(scored, key=lambda r: r[by]) if scored else None
+    head = {"schema_version": SCHEMA_VERSION}
+    if task == "generic":
+        head |= {"task": task, "best_by": by, "scored": "score" in (rows[0] if rows else {})}
     return {
-        "schema_version": SCHEMA_VERSION,
+        **head,
         "swept": swept,
-        "best": {k: best[k] for k in (*SWEEP_KEYS, "score", "result")} if best else None,
+        "best": {k: best[k] for k in (*SWEEP_KEYS, by, "result")} if best else None,
         "rows": rows,
     }
 
@@ -318,11 +454,21 @@ def _sweep_cell(name: str, fmt_key: str, v: Any) -> str:
 
 
 def _sweep_table(sweep: dict) -> tuple[list[str], list[list[str]]]:
-    headers = [*SWEEP_KEYS, *(h for _, h, _, _ in SWEEP_FIELDS)]
+    fields = sweep_fields(sweep)
+    headers = [*SWEEP_KEYS, *(h for _, h, _, _ in fields)]
     cells = [[html.escape(str(r[k])) for k in SWEEP_KEYS]
-             + [_sweep_cell(name, fk, r[name]) for name, _, _, fk in SWEEP_FIELDS]
+             + [_sweep_cell(name, fk, r[name]) for name, _, _, fk in fields]
              for r in sweep["rows"]]
     return headers, cells
+
+
+def _best_line(sweep: dict) -> str:
+    b = sweep["best"]
+    what = ("Lowest fine-tuned test loss" if sweep.get("best_by") == "loss"
+            else "Best fine-tuned score")
+    value = b[sweep.get("best_by", "score")]
+    return (f"{what}: {value} ({b['model']}, seq {b['seq']}, rank {b['lora_rank']}; "
+            f"{b['result']}).")
 
 
 def render_sweep_markdown(sweep: dict) -> str:
@@ -332,9 +478,7 @@ def render_sweep_markdown(sweep: dict) -> str:
              "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(html.unescape(c) for c in row) + " |" for row in cells]
     if sweep["best"]:
-        b = sweep["best"]
-        lines += ["", f"Best fine-tuned score: {b['score']} ({b['model']}, seq {b['seq']}, "
-                      f"rank {b['lora_rank']}; {b['result']})."]
+        lines += ["", _best_line(sweep)]
     return "\n".join(lines) + "\n"
 
 
@@ -342,6 +486,8 @@ def render_sweep_html(sweep: dict) -> str:
     headers, cells = _sweep_table(sweep)
     title = f"segback sweep: {len(cells)} branches"
     best = sweep["best"]["result"] if sweep["best"] else None
+    what = ("Fine-tuned and baseline test loss and perplexity" if sweep.get("task") == "generic"
+            else "Fine-tuned score and valid-JSON rate")
     rows = []
     for r, row in zip(sweep["rows"], cells):
         style = ' style="font-weight:bold"' if r["result"] == best else ""
@@ -351,8 +497,8 @@ def render_sweep_html(sweep: dict) -> str:
         "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin:1em 0}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
         "td:first-child{text-align:left}</style></head><body>",
-        f"<h2>{title}</h2><p>Fine-tuned score and valid-JSON rate on the held-out test set, "
-        "peak memory and wall time of training; the best branch in bold.</p>",
+        f"<h2>{title}</h2><p>{what} on the held-out test set, peak memory and wall time of "
+        "training; the best branch in bold.</p>",
         "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>",
         *rows, "</table>", "</body></html>",
     ]) + "\n"
@@ -363,7 +509,7 @@ def sweep_main(args: argparse.Namespace) -> int:
         branches = json.loads(args.sweep)
         if not isinstance(branches, list) or not branches:
             raise ResultError("--sweep expects a JSON list of branches")
-        sweep = build_sweep(sweep_rows(branches))
+        sweep = build_sweep(sweep_rows(branches), getattr(args, "task", "chunking"))
     except (OSError, ValueError) as e:  # ResultError and json.JSONDecodeError are ValueErrors
         print(f"segback summarize --sweep: {e}", file=sys.stderr)
         return 1
@@ -387,6 +533,8 @@ def _pairs(items: list[str], flag: str) -> dict:
 
 
 SINGLE_REQUIRED = ("model_name", "baseline", "finetuned", "train_summary", "plan")
+GENERIC_REQUIRED = ("model_name", "dataset", "baseline_eval", "finetuned_eval", "train_summary",
+                    "plan")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -403,7 +551,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="record a related file's path in the result (repeatable)")
     parser.add_argument("--stamp", action="append", default=[], metavar="PATH",
                         help="a stage's config stamp (segback stamp); repeatable")
-    parser.add_argument("--schema", default=str(DEFAULT_SCHEMA), help="result JSON Schema")
+    parser.add_argument("--schema", default=None,
+                        help="result JSON Schema (default: segback/result.schema.json, or "
+                             "generic_result.schema.json with --task generic)")
+    parser.add_argument("--task", choices=("chunking", "generic"), default="chunking",
+                        help="generic: the user's own data; --baseline-eval/--finetuned-eval "
+                             "(segback evaluate) are the results, --baseline/--finetuned the "
+                             "scores of --scorer when one ran")
+    parser.add_argument("--dataset", default=None, help="--task generic: the dataset's name")
+    parser.add_argument("--baseline-eval", default=None,
+                        help="--task generic: `segback evaluate` JSON of the stock model")
+    parser.add_argument("--finetuned-eval", default=None,
+                        help="--task generic: `segback evaluate` JSON with the adapter")
+    parser.add_argument("--scorer", default=None,
+                        help="--task generic: the scorer whose --baseline/--finetuned scores "
+                             "to include (e.g. chunking)")
     parser.add_argument("--out", required=True, help="result JSON to write")
     parser.add_argument("--table", default=None, help="also write an HTML score table here")
     parser.add_argument("--sweep", default=None, metavar="JSON",
@@ -416,6 +578,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "sweep", None) is not None:
         return sweep_main(args)
+    if getattr(args, "task", "chunking") == "generic":
+        return generic_main(args)
+    args.schema = args.schema or str(DEFAULT_SCHEMA)
     missing = [f"--{k.replace('_', '-')}" for k in SINGLE_REQUIRED if getattr(args, k) is None]
     if missing:
         print(f"segback summarize: the following arguments are required: {', '.join(missing)}",
@@ -450,4 +615,51 @@ def main(args: argparse.Namespace) -> int:
     d = result["delta"].get("mean_score")
     print(f"{args.out}: mean_score {result['baseline']['mean_score']} -> "
           f"{result['finetuned']['mean_score']} (delta {d})", file=sys.stderr)
+    return 0
+
+
+def generic_main(args: argparse.Namespace) -> int:
+    """`segback summarize --task generic`: the result of the user's own data."""
+    required = GENERIC_REQUIRED + (("baseline", "finetuned") if args.scorer else ())
+    missing = [f"--{k.replace('_', '-')}" for k in required if getattr(args, k) is None]
+    if missing:
+        print(f"segback summarize --task generic: the following arguments are required: "
+              f"{', '.join(missing)}", file=sys.stderr)
+        return 2
+    schema = args.schema or str(GENERIC_SCHEMA)
+    try:
+        artifacts = _pairs(args.artifact, "--artifact")
+        artifacts.setdefault("plan", args.plan)
+        artifacts.setdefault("train_summary", args.train_summary)
+        if args.table:
+            artifacts.setdefault("table", args.table)
+        result = build_generic_result(
+            args.model_name, args.dataset,
+            baseline_eval=read_json(args.baseline_eval),
+            finetuned_eval=read_json(args.finetuned_eval),
+            train_summary=read_json(args.train_summary),
+            plan=read_json(args.plan),
+            stages=collect_benchmarks(args.benchmarks),
+            artifacts=artifacts,
+            sources={"baseline_eval": args.baseline_eval, "finetuned_eval": args.finetuned_eval,
+                     "baseline": args.baseline, "finetuned": args.finetuned,
+                     "train": args.train_summary, "plan": args.plan},
+            scorer=args.scorer,
+            baseline_score=read_json(args.baseline) if args.scorer else None,
+            finetuned_score=read_json(args.finetuned) if args.scorer else None,
+        )
+        result["config"] = check_stamps([read_json(p) for p in args.stamp],
+                                        result["training"], args.train_summary)
+        validate_result(result, schema)
+    except (OSError, ValueError) as e:  # ResultError and json.JSONDecodeError are ValueErrors
+        print(f"segback summarize: {e}", file=sys.stderr)
+        return 1
+    if args.table:
+        atomic_write_text(args.table, render_generic_table(result))
+    atomic_write_json(args.out, result)
+    b, f = result["baseline"], result["finetuned"]
+    print(f"{args.out}: test loss {b['loss']} -> {f['loss']} (ppl {b['ppl']} -> {f['ppl']})"
+          + (f"; {args.scorer} score {result['scores']['baseline']['mean_score']} -> "
+             f"{result['scores']['finetuned']['mean_score']}" if args.scorer else ""),
+          file=sys.stderr)
     return 0

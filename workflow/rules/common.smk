@@ -30,9 +30,46 @@ MODEL = config["model"]
 SEQ = config["seq"]
 TRAIN = config["train"]
 EVAL = config["eval"]
-DATA = config["data"]
+DATA = config.get("data")  # the chunking builder's options (task: chunking)
 GPU = config["resources"]["gpu"]
 MEM_MB = config["resources"]["mem_mb"]
+
+
+# ---- task ----------------------------------------------------------------------------------------
+# `task: chunking` (default) is the conversation-chunking experiment: results/{model}/... and the
+# target results/{model}_chunk_score.json. `task: generic` runs the same DAG on the user's own
+# data (`dataset`): everything that depends on that data lives in results/{model}/{name}/ (RUN),
+# beside the prepared model results/{model}/model that both tasks share, and the target is
+# results/{model}_{name}_eval.json (held-out loss and perplexity, before and after).
+TASK = config.get("task", "chunking")
+GENERIC = TASK == "generic"
+DATASET_DEFAULTS = {
+    "name": "generic", "mask_prompt": True, "prompt_feature": "prompt",
+    "completion_feature": "completion", "chat_feature": "messages", "text_feature": "text",
+    "valid_fraction": 0.1, "test_fraction": 0.1, "seed": 0, "scorer": None,
+}
+DATASET = {**DATASET_DEFAULTS, **config["dataset"]} if GENERIC else None
+NAME = DATASET["name"] if GENERIC else None
+SCORER = DATASET["scorer"] if GENERIC else "chunking"
+# Where a model's data-dependent outputs, logs and benchmarks live ({model} is the wildcard).
+RUN = f"results/{{model}}/{NAME}" if GENERIC else "results/{model}"
+LOGS = f"results/logs/{{model}}/{NAME}" if GENERIC else "results/logs/{model}"
+BENCH = f"results/benchmarks/{{model}}/{NAME}" if GENERIC else "results/benchmarks/{model}"
+# The result of one branch (sweeps) and the sweep table, without the .json.
+BRANCH_RESULT = "result" if GENERIC else "chunk_score"
+SWEEP_TABLE = f"results/{NAME}_sweep_summary" if GENERIC else "results/sweep_summary"
+# segback train's --mask-prompt (chunking: always on)
+MASK_PROMPT_FLAG = "--no-mask-prompt" if GENERIC and not DATASET["mask_prompt"] else "--mask-prompt"
+
+
+def run_dir(model):
+    """A model's RUN directory: results/{model} (chunking) or results/{model}/{name}."""
+    return RUN.replace("{model}", model)
+
+
+def result_file(model):
+    """The final result of a config without lists."""
+    return f"results/{model}_{NAME}_eval.json" if GENERIC else f"results/{model}_chunk_score.json"
 
 
 # ---- sweeps --------------------------------------------------------------------------------------
@@ -90,8 +127,8 @@ def single_tag():
     if isinstance(SEQ, list) or RANK_SWEPT:
         raise ValueError(
             "config sweeps `seq` or `train.lora_rank`: there is no single "
-            "results/{model}_chunk_score.json; per-branch results are "
-            "results/{model}/seq{seq}/chunk_score.json, the table results/sweep_summary.json"
+            f"{result_file('{model}')}; per-branch results are "
+            f"{RUN}/seq{{seq}}/{BRANCH_RESULT}.json, the table {SWEEP_TABLE}.json"
         )
     return str(SEQ)
 
@@ -141,7 +178,7 @@ def stage_config(model, stage):
         train = {"model": entry, "seq": seq_len(branch), **TRAIN, "lora_rank": lora_rank(branch)}
         return json.dumps(train, sort_keys=True)
     parts = {
-        "data": {"data": DATA},
+        "data": {"dataset": DATASET} if GENERIC else {"data": DATA},
         "train": {"model": entry, "seq": SEQ, **TRAIN},
         "eval": {"model": entry, **EVAL},
     }
@@ -151,7 +188,7 @@ def stage_config(model, stage):
 def stamp_files(model, tag=None):
     """The config stamps behind a result: the single config's, or a sweep branch's."""
     train = "train" if tag is None else f"train-seq{tag}"
-    return [f"results/{model}/config/{stage}.json" for stage in ("data", train, "eval")]
+    return [f"{run_dir(model)}/config/{stage}.json" for stage in ("data", train, "eval")]
 
 
 def opt(flag, value):
@@ -235,7 +272,7 @@ def plan_file(model, seq):
     """The plan train_lora uses: planned by plan_segments, or the configured file. `seq` is the
     branch (its `seq` wildcard)."""
     if TRAIN["plan"] == "auto":
-        return f"results/{model}/seq{seq}/plan.json"
+        return f"{run_dir(model)}/seq{seq}/plan.json"
     return TRAIN["plan"]
 
 
@@ -259,6 +296,35 @@ def benchmark_files(model, seq):
         "score_finetuned": f"{s}/finetuned/score.tsv",
         "plots": f"{s}/plots.tsv",
     }
+    if GENERIC:
+        stages = generic_benchmarks(model, seq)
     if TRAIN["plan"] != "auto":
         del stages["plan_segments"]
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in stages.items())
+
+
+def generic_benchmarks(model, seq):
+    """benchmark_files' stages of the generic task (the scorer's when one is named)."""
+    b = BENCH.replace("{model}", model)
+    s = f"{b}/seq{seq}"
+    seq_only = str(seq).partition("-r")[0]
+    stages = {
+        "prepare_model": f"results/benchmarks/{model}/prepare_model.tsv",
+        "filter_test": f"{b}/filter_test.tsv",
+        "filter_data_train": f"{b}/seq{seq_only}/filter_data_train.tsv",
+        "filter_data_valid": f"{b}/seq{seq_only}/filter_data_valid.tsv",
+        "baseline_eval": f"{b}/baseline_eval.tsv",
+        "plan_segments": f"{s}/plan_segments.tsv",
+        "train_lora": f"{s}/train_lora.tsv",
+        "export_adapter": f"{s}/export_adapter.tsv",
+        "finetuned_eval": f"{s}/finetuned_eval.tsv",
+        "plots": f"{s}/plots.tsv",
+    }
+    if SCORER:
+        stages |= {
+            "baseline_generate": f"{b}/baseline_generate.tsv",
+            "score_baseline": f"{b}/baseline/score.tsv",
+            "finetuned_generate": f"{s}/finetuned_generate.tsv",
+            "score_finetuned": f"{s}/finetuned/score.tsv",
+        }
+    return stages

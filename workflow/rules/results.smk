@@ -1,33 +1,35 @@
-# Report figures and the final result: results/{model}_chunk_score.json (validated against
+# Report figures and the final result. The figures (plots) and the config stamps serve both
+# tasks. task: chunking: results/{model}_chunk_score.json (validated against
 # segback/result.schema.json) and its HTML score table. summarize takes the configured
 # `seq`, so changing `seq` re-runs it (its inputs change). A sweep (common.smk) summarizes each
 # branch into results/{model}/seq{seq}/chunk_score.json (summarize_branch) and gathers the
-# branches into results/sweep_summary.{json,md,html} (sweep_summary).
+# branches into results/sweep_summary.{json,md,html} (sweep_summary). task: generic has its own
+# summary rules (generic.smk).
 
 
 rule plots:
     input:
-        "results/{model}/seq{seq}/train_log.jsonl",
+        RUN + "/seq{seq}/train_log.jsonl",
     output:
         loss=report(
-            "results/{model}/seq{seq}/plots/loss.png",
+            RUN + "/seq{seq}/plots/loss.png",
             caption="../report/loss.rst",
             category="Training",
             labels={"model": "{model}", "seq": "{seq}", "figure": "loss"},
         ),
         memory=report(
-            "results/{model}/seq{seq}/plots/memory.png",
+            RUN + "/seq{seq}/plots/memory.png",
             caption="../report/memory.rst",
             category="Training",
             labels={"model": "{model}", "seq": "{seq}", "figure": "peak memory"},
         ),
     params:
         out_dir=lambda w, output: os.path.dirname(output.loss),
-        title="{model} seq {seq}",
+        title=f"{{model}} on {NAME}, seq {{seq}}" if GENERIC else "{model} seq {seq}",
     log:
-        "results/logs/{model}/seq{seq}/plots.log",
+        LOGS + "/seq{seq}/plots.log",
     benchmark:
-        "results/benchmarks/{model}/seq{seq}/plots.tsv"
+        BENCH + "/seq{seq}/plots.tsv"
     threads: 1
     resources:
         mem_mb=1000,
@@ -40,107 +42,109 @@ rule plots:
 # needs) even after a failed job's outputs were deleted; the result records the hashes.
 rule config_stamp:
     output:
-        "results/{model}/config/{stage}.json",
+        RUN + "/config/{stage}.json",
     params:
         config=lambda w: stage_config(w.model, w.stage),
     log:
-        "results/logs/{model}/config_stamp_{stage}.log",
+        LOGS + "/config_stamp_{stage}.log",
     threads: 1
     shell:
         "segback stamp --stage {wildcards.stage} --config {params.config:q} --out {output}"
         " > {log} 2>&1"
 
 
-rule summarize:
-    input:
-        stamps=lambda w: stamp_files(w.model, w.seq if "seq" in w.keys() else None),
-        schema=os.path.join(workflow.basedir, "segback/result.schema.json"),
-        baseline="results/{model}/baseline/score.json",
-        finetuned=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/finetuned/score.json",
-        adapter=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/adapter",
-        plan=lambda w: plan_file(w.model, wildcard_tag(w)),
-        loss=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/plots/loss.png",
-        memory=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/plots/memory.png",
-    output:
-        json=report(
-            "results/{model}_chunk_score.json",
-            caption="../report/result.rst",
-            category="Scores",
-            labels={"model": "{model}", "table": "result JSON"},
-        ),
-        table=report(
-            "results/{model}_chunk_score.html",
-            caption="../report/score_table.rst",
-            category="Scores",
-            labels={"model": "{model}", "table": "baseline vs fine-tuned"},
-        ),
-    params:
-        train_summary=lambda w, input: os.path.join(input.adapter, "train_summary.json"),
-        benchmarks=lambda w: benchmark_files(w.model, wildcard_tag(w)),
-    log:
-        "results/logs/{model}/summarize.log",
-    benchmark:
-        "results/benchmarks/{model}/summarize.tsv"
-    threads: 1
-    resources:
-        mem_mb=1000,
-    shell:
-        "segback summarize --model-name {wildcards.model} --baseline {input.baseline}"
-        " --finetuned {input.finetuned} --train-summary {params.train_summary}"
-        " --plan {input.plan} --schema {input.schema} --benchmarks {params.benchmarks}"
-        " --artifact loss_plot={input.loss} --artifact memory_plot={input.memory}"
-        " $(printf -- '--stamp %s ' {input.stamps})"
-        " --out {output.json} --table {output.table} > {log} 2>&1"
+if not GENERIC:
+
+    rule summarize:
+        input:
+            stamps=lambda w: stamp_files(w.model, w.seq if "seq" in w.keys() else None),
+            schema=os.path.join(workflow.basedir, "segback/result.schema.json"),
+            baseline="results/{model}/baseline/score.json",
+            finetuned=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/finetuned/score.json",
+            adapter=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/adapter",
+            plan=lambda w: plan_file(w.model, wildcard_tag(w)),
+            loss=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/plots/loss.png",
+            memory=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/plots/memory.png",
+        output:
+            json=report(
+                "results/{model}_chunk_score.json",
+                caption="../report/result.rst",
+                category="Scores",
+                labels={"model": "{model}", "table": "result JSON"},
+            ),
+            table=report(
+                "results/{model}_chunk_score.html",
+                caption="../report/score_table.rst",
+                category="Scores",
+                labels={"model": "{model}", "table": "baseline vs fine-tuned"},
+            ),
+        params:
+            train_summary=lambda w, input: os.path.join(input.adapter, "train_summary.json"),
+            benchmarks=lambda w: benchmark_files(w.model, wildcard_tag(w)),
+        log:
+            "results/logs/{model}/summarize.log",
+        benchmark:
+            "results/benchmarks/{model}/summarize.tsv"
+        threads: 1
+        resources:
+            mem_mb=1000,
+        shell:
+            "segback summarize --model-name {wildcards.model} --baseline {input.baseline}"
+            " --finetuned {input.finetuned} --train-summary {params.train_summary}"
+            " --plan {input.plan} --schema {input.schema} --benchmarks {params.benchmarks}"
+            " --artifact loss_plot={input.loss} --artifact memory_plot={input.memory}"
+            " $(printf -- '--stamp %s ' {input.stamps})"
+            " --out {output.json} --table {output.table} > {log} 2>&1"
 
 
-# One sweep branch's result: the same summary, for the branch named by its path.
-use rule summarize as summarize_branch with:
-    output:
-        json=report(
-            "results/{model}/seq{seq}/chunk_score.json",
-            caption="../report/result.rst",
-            category="Scores",
-            labels={"model": "{model}", "seq": "{seq}", "table": "result JSON"},
-        ),
-        table=report(
-            "results/{model}/seq{seq}/chunk_score.html",
-            caption="../report/score_table.rst",
-            category="Scores",
-            labels={"model": "{model}", "seq": "{seq}", "table": "baseline vs fine-tuned"},
-        ),
-    log:
-        "results/logs/{model}/seq{seq}/summarize.log",
-    benchmark:
-        "results/benchmarks/{model}/seq{seq}/summarize.tsv"
+    # One sweep branch's result: the same summary, for the branch named by its path.
+    use rule summarize as summarize_branch with:
+        output:
+            json=report(
+                "results/{model}/seq{seq}/chunk_score.json",
+                caption="../report/result.rst",
+                category="Scores",
+                labels={"model": "{model}", "seq": "{seq}", "table": "result JSON"},
+            ),
+            table=report(
+                "results/{model}/seq{seq}/chunk_score.html",
+                caption="../report/score_table.rst",
+                category="Scores",
+                labels={"model": "{model}", "seq": "{seq}", "table": "baseline vs fine-tuned"},
+            ),
+        log:
+            "results/logs/{model}/seq{seq}/summarize.log",
+        benchmark:
+            "results/benchmarks/{model}/seq{seq}/summarize.tsv"
 
 
-# The sweep's table: one row per branch (score, valid-JSON rate, peak memory, training time).
-rule sweep_summary:
-    input:
-        [f"results/{b['model']}/seq{b['tag']}/chunk_score.json" for b in BRANCHES],
-    output:
-        json="results/sweep_summary.json",
-        markdown="results/sweep_summary.md",
-        table=report(
-            "results/sweep_summary.html",
-            category="Scores",
-            labels={"model": "all branches", "table": "sweep summary"},
-        ),
-    params:
-        branches=json.dumps(
-            [
-                {k: b[k] for k in ("model", "seq", "lora_rank")}
-                | {"result": f"results/{b['model']}/seq{b['tag']}/chunk_score.json"}
-                for b in BRANCHES
-            ]
-        ),
-    log:
-        "results/logs/sweep_summary.log",
-    benchmark:
-        "results/benchmarks/sweep_summary.tsv"
-    threads: 1
-    resources:
-        mem_mb=1000,
-    shell:
-        "segback summarize --sweep {params.branches:q} --out {output.json}"
-        " --markdown {output.markdown} --table {output.table} > {log} 2>&1"
+    # The sweep's table: one row per branch (score, valid-JSON rate, peak memory, training time).
+    rule sweep_summary:
+        input:
+            [f"results/{b['model']}/seq{b['tag']}/chunk_score.json" for b in BRANCHES],
+        output:
+            json="results/sweep_summary.json",
+            markdown="results/sweep_summary.md",
+            table=report(
+                "results/sweep_summary.html",
+                category="Scores",
+                labels={"model": "all branches", "table": "sweep summary"},
+            ),
+        params:
+            branches=json.dumps(
+                [
+                    {k: b[k] for k in ("model", "seq", "lora_rank")}
+                    | {"result": f"results/{b['model']}/seq{b['tag']}/chunk_score.json"}
+                    for b in BRANCHES
+                ]
+            ),
+        log:
+            "results/logs/sweep_summary.log",
+        benchmark:
+            "results/benchmarks/sweep_summary.tsv"
+        threads: 1
+        resources:
+            mem_mb=1000,
+        shell:
+            "segback summarize --sweep {params.branches:q} --out {output.json}"
+            " --markdown {output.markdown} --table {output.table} > {log} 2>&1"

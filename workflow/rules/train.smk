@@ -1,7 +1,8 @@
 # Plan segments for the training length, train the LoRA adapter with segmented backward, and
 # export it (mlx-lm layout + PEFT). All outputs live under the branch's directory
-# results/{model}/seq{seq}/, where the `seq` wildcard is the training length followed by
-# `-r{rank}` when train.lora_rank is swept (common.smk: seq_len, lora_rank).
+# {RUN}/seq{seq}/ (RUN: results/{model}, or results/{model}/{dataset.name} for task: generic),
+# where the `seq` wildcard is the training length followed by `-r{rank}` when train.lora_rank
+# is swept (common.smk: seq_len, lora_rank).
 
 
 rule plan_segments:
@@ -9,7 +10,7 @@ rule plan_segments:
         model="results/{model}/model",
     output:
         report(
-            "results/{model}/seq{seq}/plan.json",
+            RUN + "/seq{seq}/plan.json",
             caption="../report/plan.rst",
             category="Training",
             labels={"model": "{model}", "seq": "{seq}", "figure": "segment plan"},
@@ -27,9 +28,9 @@ rule plan_segments:
         tile=opt("--tile", TRAIN["tile"]),
         offload=opt("--offload", TRAIN["offload"] or None),
     log:
-        "results/logs/{model}/seq{seq}/plan_segments.log",
+        LOGS + "/seq{seq}/plan_segments.log",
     benchmark:
-        "results/benchmarks/{model}/seq{seq}/plan_segments.tsv"
+        BENCH + "/seq{seq}/plan_segments.tsv"
     threads: HEAVY_THREADS
     resources:
         mem_mb=MEM_MB,
@@ -44,12 +45,12 @@ rule plan_segments:
 rule train_lora:
     input:
         model="results/{model}/model",
-        train=lambda w: f"results/{w.model}/seq{seq_len(w)}/data/train.jsonl",
-        valid=lambda w: f"results/{w.model}/seq{seq_len(w)}/data/valid.jsonl",
+        train=lambda w: f"{run_dir(w.model)}/seq{seq_len(w)}/data/train.jsonl",
+        valid=lambda w: f"{run_dir(w.model)}/seq{seq_len(w)}/data/valid.jsonl",
         plan=lambda w: plan_file(w.model, w.seq),
     output:
-        adapter=directory("results/{model}/seq{seq}/adapter"),
-        log="results/{model}/seq{seq}/train_log.jsonl",
+        adapter=directory(RUN + "/seq{seq}/adapter"),
+        log=RUN + "/seq{seq}/train_log.jsonl",
     params:
         data=lambda w, input: os.path.dirname(input.train),
         seq=seq_len,
@@ -69,12 +70,12 @@ rule train_lora:
         # Resumable state lives where Snakemake does not own it: an interrupted or failed job's
         # outputs are deleted, its checkpoints are not, and the same command resumes from them
         # (settings changed since: a fresh start).
-        work="results/{model}/seq{seq}/train_work",
+        work=RUN + "/seq{seq}/train_work",
         clean="" if TRAIN.get("keep_checkpoints") else "--clean-checkpoints",
     log:
-        "results/logs/{model}/seq{seq}/train_lora.log",
+        LOGS + "/seq{seq}/train_lora.log",
     benchmark:
-        "results/benchmarks/{model}/seq{seq}/train_lora.tsv"
+        BENCH + "/seq{seq}/train_lora.tsv"
     # train.ranks > 1: the launcher's ranks share these threads; one GPU per rank (nccl).
     threads: HEAVY_THREADS
     resources:
@@ -91,7 +92,7 @@ rule train_lora:
                 " --learning-rate {params.learning_rate} --warmup {params.warmup}"
                 " --fine-tune-type lora --lora-rank {params.lora_rank}"
                 " --lora-scale {params.lora_scale} --lora-dropout {params.lora_dropout}"
-                " --num-layers {params.num_layers} --mask-prompt"
+                " --num-layers {params.num_layers} " + MASK_PROMPT_FLAG +  # chunking: on
                 " --steps-per-eval {params.steps_per_eval} --save-every {params.save_every}"
                 " --seed {params.seed} --compile {params.compile}"
                 " --checkpoint-dir {params.work}/checkpoints --restart-on-change {params.clean}"
@@ -105,13 +106,13 @@ rule train_lora:
 rule export_adapter:
     input:
         model="results/{model}/model",
-        adapter="results/{model}/seq{seq}/adapter",
+        adapter=RUN + "/seq{seq}/adapter",
     output:
-        directory("results/{model}/seq{seq}/export"),
+        directory(RUN + "/seq{seq}/export"),
     log:
-        "results/logs/{model}/seq{seq}/export_adapter.log",
+        LOGS + "/seq{seq}/export_adapter.log",
     benchmark:
-        "results/benchmarks/{model}/seq{seq}/export_adapter.tsv"
+        BENCH + "/seq{seq}/export_adapter.tsv"
     threads: 1
     resources:
         mem_mb=MEM_MB,
