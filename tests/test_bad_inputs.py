@@ -530,3 +530,13 @@ for name, write in [("a.safetensors", lambda: save_safetensors_atomic(
     assert mx.load(str(tmp_path / "a.safetensors"))["w"].tolist() == [1.0] * 4
     assert (tmp_path / "b.bin").read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.bin"]
+
+
+def test_hub_id_loads_like_mlx_lm_and_fails_clearly_offline(monkeypatch):
+    """`--model org/name` is read as mlx_lm.load reads it; offline and not cached, the answer
+    says what to do instead of a traceback."""
+    from segback.models.load import load
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="mlx-community/not-cached-anywhere"):
+        load("mlx-community/not-cached-anywhere")

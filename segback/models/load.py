@@ -6,6 +6,7 @@ On CPU, floating parameters are cast to float32: bfloat16 matmuls run ~35x slowe
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ from mlx.utils import tree_map
 from segback.models.geometry import GEOMETRIES, build_model
 
 GEOMETRY_PREFIX = "geometry:"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -85,6 +87,15 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
             cast_floating(model, dtype or mx.float32)
             mx.eval(model.parameters())
         return model, None
+
+    if HUB_ID.match(spec) and not path.exists():  # a Hub id, as mlx_lm.load takes it
+        from segback.models.prepare import hub_snapshot
+
+        try:
+            snapshot = hub_snapshot(spec)
+        except RuntimeError as e:  # offline or unreachable: one paragraph on what to do
+            raise FileNotFoundError(str(e)) from None
+        return load(snapshot, adapter_path, dtype)
 
     reason = (f"{spec!r} is a directory without config.json" if path.is_dir()
               else f"{spec!r} is neither a checkpoint directory nor a known geometry")
