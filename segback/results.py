@@ -25,6 +25,7 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
+from collections.abc import Sequence
 
 from segback.io import atomic_write_json, atomic_write_text, read_json
 
@@ -63,14 +64,19 @@ def _number(v: Any) -> Any:
     return v
 
 
+def _required(obj: Any, keys: Sequence[str], source: str, what: str) -> dict:
+    """`keys` of a JSON object, each a JSON number or null; a clear error if any is missing."""
+    if not isinstance(obj, dict):
+        raise ResultError(f"{source}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise ResultError(f"{source}: missing {what} field(s) {', '.join(missing)}")
+    return {k: _number(obj[k]) for k in keys}
+
+
 def metrics_of(score: dict, source: str) -> dict:
     """The scalar metrics of a score summary (per-case rows dropped)."""
-    if not isinstance(score, dict):
-        raise ResultError(f"{source}: expected a JSON object, got {type(score).__name__}")
-    missing = [k for k in METRICS if k not in score]
-    if missing:
-        raise ResultError(f"{source}: missing score field(s) {', '.join(missing)}")
-    out = {k: _number(score[k]) for k in METRICS}
+    out = _required(score, METRICS, source, "score")
     for k, v in score.items():  # any further scalar metric the scorer reports
         if k not in out and isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = _number(v)
@@ -197,12 +203,7 @@ def build_result(model_name: str, baseline: dict, finetuned: dict, train_summary
 
 def eval_of(ev: dict, source: str) -> dict:
     """The held-out figures of a `segback evaluate` output (loss, ppl, tokens, examples)."""
-    if not isinstance(ev, dict):
-        raise ResultError(f"{source}: expected a JSON object, got {type(ev).__name__}")
-    missing = [k for k in EVAL_FIELDS if k not in ev]
-    if missing:
-        raise ResultError(f"{source}: missing evaluation field(s) {', '.join(missing)}")
-    out = {k: _number(ev[k]) for k in EVAL_FIELDS}
+    out = _required(ev, EVAL_FIELDS, source, "evaluation")
     for k in ("dropped", "truncated", "max_seq_length", "seconds"):
         if isinstance(ev.get(k), (int, float)) and not isinstance(ev.get(k), bool):
             out[k] = _number(ev[k])
