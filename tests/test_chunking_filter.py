@@ -92,3 +92,18 @@ def test_missing_or_empty_data(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(SystemExit, match="empty"):
         chunk_filter.read_cases(tmp_path / "empty.jsonl")
+
+
+def test_case_without_id_is_refused_with_file_and_line(tmp_path, cases):
+    import json
+
+    import pytest
+
+    from segback.chunking.filter import read_cases
+
+    rows = [dict(c) for c in cases[:2]]
+    del rows[1]["id"]
+    path = tmp_path / "cases.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match=rf"{path}:2: the case has no id"):
+        read_cases(path)

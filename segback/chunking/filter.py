@@ -53,6 +53,9 @@ def filter_cases(cases: list[dict], tokenizer: Any, max_tokens: int
     return kept, report
 
 
+CASE_FIELDS = ("id", "gold")  # generate and score key their rows by id, score reads the gold
+
+
 def read_cases(path: str | Path) -> list[dict]:
     """The data file's rows, with a clear error when it is missing or empty."""
     path = Path(path)
@@ -61,6 +64,13 @@ def read_cases(path: str | Path) -> list[dict]:
     cases = read_jsonl(path)
     if not cases:
         raise SystemExit(f"segback filter-data: data file is empty: {path}")
+    for line, case in enumerate(cases, 1):
+        missing = [k for k in CASE_FIELDS if k not in case] if isinstance(case, dict) \
+            else list(CASE_FIELDS)
+        if missing:
+            raise SystemExit(f"segback filter-data: {path}:{line}: the case has no "
+                              f"{', '.join(missing)}; every chunking case needs "
+                              f"{', '.join(CASE_FIELDS)} (rebuild it with segback build-data)")
     return cases
 
 
