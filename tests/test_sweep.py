@@ -211,7 +211,7 @@ def test_a_failed_rank_fails_the_training_job(tmp_path, fake_env):
 
 
 def test_real_smoke_sweep(tmp_path):
-    """The real stages over a 1 x 2 sweep of the smoke config (two training lengths): the
+    """The real stages over a 1 x 2 sweep of the smoke config (two training lengths that both fit the smoke cases): the
     model, data and baseline run once, each length trains, and the table has both rows."""
     from test_workflow import STAGE_MODULES
 
@@ -219,14 +219,14 @@ def test_real_smoke_sweep(tmp_path):
         pytest.importorskip(module, reason=f"stage module {module} not written yet")
     work = tmp_path / "work"
     work.mkdir()
-    over = write_yaml(tmp_path / "seqs.yaml", {"seq": [256, 512]})
+    over = write_yaml(tmp_path / "seqs.yaml", {"seq": [512, 640]})
     out = snakemake(work, "--cores", "2", "--configfile", str(SMOKE), str(over)).stdout
     counts = job_counts(out)
     assert (counts["prepare_model"], counts["baseline_eval"], counts["train_lora"]) == (1, 1, 2)
     table = json.loads((work / "results" / "sweep_summary.json").read_text())
     rows = table["rows"] if isinstance(table, dict) else table
-    assert sorted(r["seq"] for r in rows) == [256, 512]
-    for seq in (256, 512):
+    assert sorted(r["seq"] for r in rows) == [512, 640]
+    for seq in (512, 640):
         result = json.loads((work / "results" / "tiny" / f"seq{seq}" /
                              "chunk_score.json").read_text())
         results.validate_result(result, RESULT_SCHEMA)
