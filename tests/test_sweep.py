@@ -211,8 +211,9 @@ def test_a_failed_rank_fails_the_training_job(tmp_path, fake_env):
 
 
 def test_real_smoke_sweep(tmp_path):
-    """The real stages over a 1 x 2 sweep of the smoke config (two training lengths that both fit the smoke cases): the
-    model, data and baseline run once, each length trains, and the table has both rows."""
+    """The real stages over a 1 x 2 sweep of the smoke config (two training lengths that both
+    fit the smoke cases): the model, data and baseline run once, each length trains, and the
+    table has both rows."""
     from test_workflow import STAGE_MODULES
 
     for module in STAGE_MODULES:
