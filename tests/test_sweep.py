@@ -15,7 +15,6 @@ import textwrap
 import pytest
 import yaml
 from test_workflow import (
-    FAKE_SEGBACK,
     RESULT_SCHEMA,
     SMOKE,
     job_counts,
@@ -135,14 +134,6 @@ def test_sweep_summary_unit(tmp_path, capsys):
     assert "nope.json" in capsys.readouterr().err
     assert main(["summarize", "--out", str(tmp_path / "r.json")]) == 2
     assert "--model-name, --baseline" in capsys.readouterr().err
-
-
-@pytest.fixture
-def fake_env(tmp_path):
-    script = tmp_path / "fake_segback.py"
-    script.write_text(FAKE_SEGBACK)
-    calls = tmp_path / "calls.txt"
-    return {"SEGBACK": f"{sys.executable} {script}", "FAKE_SEGBACK_CALLS": str(calls)}, calls
 
 
 def test_sweep_runs_to_the_table(tmp_path, fake_env):

@@ -307,14 +307,6 @@ FAKE_SEGBACK = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture
-def fake_env(tmp_path):
-    script = tmp_path / "fake_segback.py"
-    script.write_text(FAKE_SEGBACK)
-    calls = tmp_path / "calls.txt"
-    return {"SEGBACK": f"{sys.executable} {script}", "FAKE_SEGBACK_CALLS": str(calls)}, calls
-
-
 def test_fake_run_caches_and_reruns_exactly_what_changed(tmp_path, fake_env):
     env, calls = fake_env
     work = tmp_path / "work"
