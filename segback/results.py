@@ -582,10 +582,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "task", "chunking") == "generic":
         return generic_main(args)
     args.schema = args.schema or str(DEFAULT_SCHEMA)
-    missing = [f"--{k.replace('_', '-')}" for k in SINGLE_REQUIRED if getattr(args, k) is None]
-    if missing:
-        print(f"segback summarize: the following arguments are required: {', '.join(missing)}",
-              file=sys.stderr)
+    if _missing(args, SINGLE_REQUIRED, "segback summarize"):
         return 2
     try:
         artifacts = _pairs(args.artifact, "--artifact")
@@ -619,13 +616,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _missing(args: argparse.Namespace, keys: Sequence[str], command: str) -> bool:
+    """Print argparse's message for the required flags not given (they depend on the mode)."""
+    missing = [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k) is None]
+    if missing:
+        print(f"{command}: the following arguments are required: {', '.join(missing)}",
+              file=sys.stderr)
+    return bool(missing)
+
+
 def generic_main(args: argparse.Namespace) -> int:
     """`segback summarize --task generic`: the result of the user's own data."""
     required = GENERIC_REQUIRED + (("baseline", "finetuned") if args.scorer else ())
-    missing = [f"--{k.replace('_', '-')}" for k in required if getattr(args, k) is None]
-    if missing:
-        print(f"segback summarize --task generic: the following arguments are required: "
-              f"{', '.join(missing)}", file=sys.stderr)
+    if _missing(args, required, "segback summarize --task generic"):
         return 2
     schema = args.schema or str(GENERIC_SCHEMA)
     try:
