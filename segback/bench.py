@@ -5,6 +5,11 @@ peak counter and buffer cache are per process) on the same model, LoRA and data,
 JSON line: peak GB, resting GB, seconds per step (median after a warm-up step), tokens/s, the
 first step's loss (equal across modes) — or the error if the mode crashed.
 
+`--pack N` compares packing: B x N random examples of (seq + 1) // N tokens, packed N to a row
+(block-diagonal attention, `segback.packing`) in the segmented mode, and as B x N rows of their
+own in the mlx-lm modes; the loss is the same. Rows get `pack`, `example_tokens` and `packed`;
+tokens_per_s counts the examples' input tokens as rows of their own (B x N x (tokens - 1)).
+
 Throughput keys of every row (segback.planner.flops says what is counted):
 
     flops_per_token       model FLOPs of one step per input token, from the geometry: forward,
@@ -68,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "device; auto: as many as --target-gb allows")
     run = p.add_argument_group("how the engine runs (on top of the plan)")
     engine_options.add_arguments(run, skip=SEARCHED)
+    p.add_argument("--pack", type=int, default=None, metavar="N",
+                   help="N examples of (seq + 1) // N tokens per row: packed into one row "
+                   "(block-diagonal mask) in the segmented mode, N rows of their own in the "
+                   "mlx-lm modes (the same examples, the same loss)")
     p.add_argument("--prompt-frac", type=float, default=0.0,
                    help="fraction of tokens masked out of the loss as prompt")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
@@ -130,7 +139,7 @@ def run_worker(args) -> dict:
 
     import numpy as np
 
-    from segback.engine import memory_stats, reset_peak, value_and_grad
+    from segback.engine import Packed, memory_stats, reset_peak, value_and_grad
     from segback.engine.head import loss_mask
     from segback.planner.flops import matmul_peak
     from segback.planner.geometry import read_geometry
@@ -147,11 +156,13 @@ def run_worker(args) -> dict:
     vocab = model.args.vocab_size
     mx.random.seed(0)
     B, L = args.batch, args.seq
-    batch = mx.random.randint(0, vocab, (B, L + 1))
-    lengths = mx.array([[int(args.prompt_frac * L), L]] * B)
+    batch, lengths = bench_batch(B, L, vocab, args.prompt_frac, args.pack, mode == "segmented")
     mx.eval(model.parameters(), opt.state, batch)
     row = {"mode": mode, "model": args.model, "seq": L, "batch": B,
            "device": str(mx.default_device()), "mlx": mx.__version__}
+    if args.pack:
+        row |= {"pack": args.pack, "example_tokens": (L + 1) // args.pack,
+                "packed": mode == "segmented"}
     for var in ("MLX_MAX_OPS_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE"):
         if var in os.environ:
             row[var.lower()] = int(os.environ[var])
@@ -195,14 +206,41 @@ def run_worker(args) -> dict:
     sec = statistics.median(times[1:]) if len(times) > 1 else times[0]
     if mode == "segmented" and opts.offload:
         row["host_gb"] = round(stats.get("host_gb", 0.0), 3)
+    # Work of the examples as rows of their own (with --pack: N rows of (L + 1) // N tokens).
+    rows, seq = (B, L) if not args.pack else (B * args.pack, (L + 1) // args.pack - 1)
     row.update(peak_gb=round(max(peaks), 3), s_per_step=round(sec, 4),
                first_step_s=round(times[0], 4),
-               tokens_per_s=round(B * L / sec, 1), steps=args.steps)
+               tokens_per_s=round(rows * seq / sec, 1), steps=args.steps)
     geom = read_geometry(model, args.lora_rank, None if args.lora_layers < 0 else args.lora_layers,
                          dtype, args.model)
-    loss_tokens = int(loss_mask(np.array(lengths), L + 1).sum())
-    row.update(throughput(geom, L, B, mode, plan, loss_tokens, B * L / sec, peak_flops))
+    counted = lengths if isinstance(lengths, Packed) else np.array(lengths)
+    loss_tokens = int(loss_mask(counted, batch.shape[1]).sum())
+    row.update(throughput(geom, seq, rows, mode, plan, loss_tokens, rows * seq / sec,
+                          peak_flops))
     return row
+
+
+def bench_batch(B: int, L: int, vocab: int, prompt_frac: float, pack: int | None,
+                packed: bool):
+    """(batch, lengths) of random tokens: B rows of L + 1 tokens; with `pack` N, B x N examples
+    of (L + 1) // N tokens, packed N to a row (`packed`) or one per row."""
+    import mlx.core as mx
+
+    if not pack:
+        return (mx.random.randint(0, vocab, (B, L + 1)),
+                mx.array([[int(prompt_frac * L), L]] * B))
+    from segback.packing import collate_packed
+
+    n = (L + 1) // pack
+    if n < 2:
+        raise SystemExit(f"--pack {pack}: examples of {n} token(s); raise --seq")
+    ids = mx.random.randint(0, vocab, (B * pack, n))
+    offset = int(prompt_frac * (n - 1))
+    if not packed:
+        return ids, mx.array([[offset, n - 1]] * (B * pack))
+    rows = ids.tolist()
+    return collate_packed([[(rows[b * pack + k], offset) for k in range(pack)]
+                           for b in range(B)], pack * n, pad_to=1)
 
 
 def _sig(x: float, digits: int = 4) -> float:

@@ -119,6 +119,10 @@ class TokenDataset:
     def loss_tokens(self) -> int:
         return sum(len(ids) - max(off, 1) for ids, off in self.examples)
 
+    def batch(self, indices: Sequence[int], max_len: int) -> tuple[mx.array, Any]:
+        """The batch of these examples: `collate` (a packed dataset makes packed rows)."""
+        return collate([self.examples[i] for i in indices], max_len)
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids, EOS = 0: lets random-geometry models (vocab >= 256) train.
@@ -543,7 +547,7 @@ def batch_at(dataset: TokenDataset, index: int, batch_size: int, seed: int, max_
     groups = dataset._order
     epoch, pos = divmod(int(index), len(groups))
     group = groups[epoch_permutation(len(groups), seed, epoch)[pos]]
-    return collate([dataset[i] for i in group], max_len)
+    return dataset.batch(group, max_len)
 
 
 def validation_batches(dataset: TokenDataset, batch_size: int, num_batches: int, seed: int,
@@ -554,4 +558,4 @@ def validation_batches(dataset: TokenDataset, batch_size: int, num_batches: int,
     if num_batches >= 0:
         order = order[:num_batches]
     for g in order:
-        yield collate([dataset[i] for i in groups[g]], max_len)
+        yield dataset.batch(groups[g], max_len)

@@ -24,11 +24,12 @@ import contextlib
 import functools
 import importlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import base as _base
 
 # mlx-lm's own function, captured before any patching: the fallback for what we do not handle.
@@ -41,12 +42,45 @@ MIN_CHUNK = 64
 MAX_CHUNK = 1024
 
 
+class Blocks:
+    """The examples of packed rows (`segback.engine.packing`), for chunked attention: a query
+    sees only keys of its own example, so a query chunk reads keys from the first token of its
+    earliest example on (block-sparse: work ~ tokens x example length, not tokens^2)."""
+
+    def __init__(self, segments: np.ndarray):
+        B, L = segments.shape
+        self.ids = mx.array(segments)
+        change = np.ones((B, L), bool)
+        change[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        idx = np.where(change, np.arange(L)[None], 0)
+        self.first = np.maximum.accumulate(idx, axis=1).min(axis=0)  # over the rows
+        self.mean_length = L / max(int(change.sum(axis=1).max()), 1)
+
+    def mask(self, q0: int, q1: int, k0: int, k1: int, window: int | None) -> mx.array:
+        """Boolean [B, 1, 1, q1 - q0, k1 - k0]: causal, same example, within the window
+        (queries at key positions q0..q1)."""
+        qpos = mx.arange(q0, q1)[:, None]
+        kpos = mx.arange(k0, k1)[None]
+        mask = qpos >= kpos
+        if window is not None:
+            mask = mask & (qpos < kpos + window)
+        same = self.ids[:, q0:q1, None] == self.ids[:, None, k0:k1]
+        return (same & mask)[:, None, None]
+
+    def dense(self, window: int | None) -> mx.array:
+        """The whole [B, 1, L, L] mask, as mlx-lm's attention takes it."""
+        L = self.ids.shape[1]
+        return self.mask(0, L, 0, L, window)[:, 0]
+
+
 @dataclass(frozen=True)
 class MaskSpec:
-    """A mask described instead of materialized: "causal", or "sliding" over `window` keys."""
+    """A mask described instead of materialized: "causal", or "sliding" over `window` keys;
+    with `blocks`, also within one packed example."""
 
     kind: Literal["causal", "sliding"] = "causal"
     window: int | None = None
+    blocks: Blocks | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.kind not in ("causal", "sliding"):
@@ -58,6 +92,8 @@ class MaskSpec:
 
     def to_mlx(self, q_len: int, k_len: int) -> mx.array | str:
         """The mask mlx-lm would pass: "causal", or a boolean [q_len, k_len] window mask."""
+        if self.blocks is not None:
+            return self.blocks.dense(self.window)[..., k_len - q_len:, :]
         if self.kind == "causal":
             return "causal"
         return _base.create_causal_mask(q_len, offset=k_len - q_len, window_size=self.window)
@@ -146,12 +182,17 @@ def _probs(
     return _probs_from_scores_fused(s, mask, scale).reshape(B, Hkv, n, kv)
 
 
-def _chunks(Lq: int, chunk: int, offset: int, window: int | None):
+def _chunks(Lq: int, chunk: int, offset: int, window: int | None,
+            blocks: Blocks | None = None):
     """(q0, q1, k0, k1, mask) for each query chunk: its rows, visible keys and their mask."""
     for q0 in range(0, Lq, chunk):
         q1 = min(q0 + chunk, Lq)
         k0, k1 = _key_range(q0, q1, offset, window)
-        yield q0, q1, k0, k1, _chunk_mask(q0, q1, k0, k1, offset, window)
+        if blocks is None:
+            yield q0, q1, k0, k1, _chunk_mask(q0, q1, k0, k1, offset, window)
+            continue
+        k0 = max(k0, int(blocks.first[q0 + offset]))
+        yield q0, q1, k0, k1, blocks.mask(q0 + offset, q1 + offset, k0, k1, window)
 
 
 def _q_chunk(x: mx.array, q0: int, q1: int) -> mx.array:
@@ -212,13 +253,13 @@ def _split(queries: mx.array, keys: mx.array) -> tuple[mx.array, int, int]:
 
 def attention_forward(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None,
-    chunk: int,
+    chunk: int, blocks: Blocks | None = None,
 ) -> mx.array:
     """Chunked causal/sliding attention output [B, H, Lq, D]; one chunk's scores alive at once."""
     B, H, Lq, D = queries.shape
     q5, rep, offset = _split(queries, keys)
     outs = []
-    for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window):
+    for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window, blocks):
         qc = _q_chunk(q5, q0, q1)
         if outs:
             qc = mx.depends(qc, outs[-1])  # one chunk's scores alive at a time
@@ -232,7 +273,7 @@ def attention_forward(
 def attention_backward(
     queries: mx.array, keys: mx.array, values: mx.array, output: mx.array,
     d_output: mx.array | Rows, scale: float, window: int | None, chunk: int,
-    delta: mx.array | Rows | None = None, dq_rows: bool = False,
+    delta: mx.array | Rows | None = None, dq_rows: bool = False, blocks: Blocks | None = None,
 ) -> tuple[mx.array | Rows, mx.array, mx.array]:
     """(dQ, dK, dV) of `attention_forward`, recomputing each query chunk's scores.
 
@@ -250,7 +291,7 @@ def attention_backward(
     dk = mx.zeros((B, Hkv, Lk, D), mx.float32)
     dv = mx.zeros((B, Hkv, Lk, D), mx.float32)
     dqs = []
-    for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window):
+    for q0, q1, k0, k1, mask in _chunks(Lq, chunk, offset, window, blocks):
         qc = _q_chunk(q5, q0, q1)
         if dqs:
             # Chunks run in order, each after the last one's results: without this, the
@@ -272,8 +313,10 @@ def attention_backward(
     return dq, dk.astype(keys.dtype), dv.astype(values.dtype)
 
 
-def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: bool):
-    """Build the custom-VJP attention for fixed static arguments (cached by the caller)."""
+def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: bool,
+                  blocks: Blocks | None = None):
+    """Build the custom-VJP attention for fixed static arguments (cached by the caller, but
+    for packed `blocks`, which change every batch)."""
 
     @mx.custom_function
     def attend(queries: mx.array, keys: mx.array, values: mx.array) -> mx.array:
@@ -281,12 +324,13 @@ def _make_chunked(scale: float, window: int | None, chunk: int, fused_forward: b
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask="causal"
             )
-        return attention_forward(queries, keys, values, scale, window, chunk)
+        return attention_forward(queries, keys, values, scale, window, chunk, blocks)
 
     @attend.vjp
     def attend_vjp(primals, cotangent, output):
         queries, keys, values = primals
-        return attention_backward(queries, keys, values, output, cotangent, scale, window, chunk)
+        return attention_backward(queries, keys, values, output, cotangent, scale, window, chunk,
+                                  blocks=blocks)
 
     return attend
 
@@ -304,12 +348,15 @@ def chunked_sdpa(
     window: int | None = None,
     chunk_size: int | None = None,
     fused_forward: bool | None = None,
+    blocks: Blocks | None = None,
 ) -> mx.array:
     """Causal (optionally sliding-window) attention whose backward is O(L) in memory.
 
     Layout as mlx: queries [B, H, Lq, D], keys/values [B, Hkv, Lk, D], H a multiple of Hkv,
     Lq <= Lk (query i sits at key position i + Lk - Lq). With `window`, query i sees keys j with
-    i - window < j <= i, as mlx-lm's `create_causal_mask(N, window_size=window)`.
+    i - window < j <= i, as mlx-lm's `create_causal_mask(N, window_size=window)`. With
+    `blocks` (packed rows), only keys of its own example; chunks are then at most about an
+    example long, and read keys from their earliest example's start on.
     """
     B, H, Lq, D = queries.shape
     _, Hkv, Lk, Dk = keys.shape
@@ -320,6 +367,12 @@ def chunked_sdpa(
     if Lq > Lk:
         raise ValueError(f"more queries ({Lq}) than keys ({Lk})")
     window, chunk = attention_shape(B, H, Lq, Lk, window, chunk_size)
+    if blocks is not None:
+        if chunk_size is None:  # a chunk spans about one example: few keys beyond its own
+            while chunk > MIN_CHUNK and chunk > blocks.mean_length:
+                chunk //= 2
+        return _make_chunked(float(scale), window, int(chunk), False, blocks)(
+            queries, keys, values)
     if fused_forward is None:
         fused_forward = mx.metal.is_available()
     fused = fused_forward and window is None and mx.default_device() == mx.gpu
@@ -357,7 +410,9 @@ def sdpa_for_mlx_lm(
             mask = mask.to_mlx(queries.shape[2], keys.shape[2])
         return _MLX_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     window = mask.window if isinstance(mask, MaskSpec) and mask.kind == "sliding" else None
-    return chunked_sdpa(queries, keys, values, scale, window=window, chunk_size=chunk_size)
+    blocks = mask.blocks if isinstance(mask, MaskSpec) else None
+    return chunked_sdpa(queries, keys, values, scale, window=window, chunk_size=chunk_size,
+                        blocks=blocks)
 
 
 @contextlib.contextmanager

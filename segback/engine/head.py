@@ -13,11 +13,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from segback.engine.packing import Packed
+
 DEFAULT_MAX_ELEMENTS = 1 << 26  # logits per chunk: 256 MB in float32
 
 
-def loss_mask(lengths: np.ndarray, T: int) -> np.ndarray:
-    """The [B, T-1] target mask of `mlx_lm.tuner.trainer.default_loss`."""
+def loss_mask(lengths: np.ndarray | Packed, T: int) -> np.ndarray:
+    """The [B, T-1] target mask of `mlx_lm.tuner.trainer.default_loss`; a packed batch brings
+    its own (per example, no target across examples)."""
+    if isinstance(lengths, Packed):
+        return lengths.targets
     steps = np.arange(1, T)[None, :]
     return (steps >= lengths[:, 0:1]) & (steps <= lengths[:, 1:2])
 
@@ -33,7 +38,7 @@ def head_vjp(
     head: Callable[[mx.array], mx.array],
     h_final: mx.array,
     batch: mx.array,
-    lengths: np.ndarray,
+    lengths: np.ndarray | Packed,
     vocab: int,
     params: Sequence[mx.array] = (),
     bind: Callable[[Sequence[mx.array]], None] | None = None,

@@ -26,6 +26,7 @@ from segback.engine.head import head_vjp
 from segback.engine.host_table import park_tables, parked_bytes
 from segback.engine.offload import HostStore
 from segback.engine.options import EngineOptions
+from segback.engine.packing import Packed, is_packed
 from segback.engine.plan import Plan, segments_of
 from segback.engine.stack import Stack, get_stack
 from segback.engine.tiled import LayerCall, layer_forward, layer_vjp
@@ -76,7 +77,7 @@ def _binder(module: nn.Module, keys: list[str]):
 def value_and_grad(
     model: nn.Module,
     batch: mx.array,
-    lengths: mx.array,
+    lengths: mx.array | Packed,
     plan: Plan | dict | Sequence[tuple[int, int]] | int | None = None,
     options: EngineOptions | None = None,
     *,
@@ -89,10 +90,15 @@ def value_and_grad(
     `plan` is a `Plan` (segments and engine options; refused if made for another model or a
     shorter sequence), (start, stop) layer ranges, layers per segment, or None (one segment).
     `options` (`EngineOptions`) or keyword overrides (`tile=1024`, `offload=True`, ...) say how
-    to run it when the plan does not. `stats`, if given, receives "host_gb".
+    to run it when the plan does not. `stats`, if given, receives "host_gb". `lengths` may be a
+    `Packed` (several examples per row, `segback.engine.packing`; untiled engine only).
     """
     stack = get_stack(model)
     segs, opts = resolve(stack, batch, plan, options, overrides)
+    if is_packed(lengths) and opts.tile:
+        raise ValueError("a packed batch (several examples per row) needs the untiled engine: "
+                         "the tiled engine builds no block-diagonal masks; run it without "
+                         "tile (a plan without tiles), or without packing")
     if opts.attention == "chunked":
         with use_chunked_attention([stack.module]):
             if opts.tile:
@@ -103,7 +109,8 @@ def value_and_grad(
 
 def _value_and_grad(model, stack, batch, lengths, segs, opts: EngineOptions, chunked=False):
     per_layer, outer = _split_trainable(model, stack)
-    lengths_np = np.array(lengths).reshape(-1, 2)
+    packed = is_packed(lengths)
+    lengths_np = lengths if packed else np.array(lengths).reshape(-1, 2)
     inputs = batch[:, :-1]
     need_input_grad = bool(outer)  # embedding-side params are trainable: thread dh back
 
@@ -116,7 +123,8 @@ def _value_and_grad(model, stack, batch, lengths, segs, opts: EngineOptions, chu
 
     # 1. Forward, keeping evaluated boundaries (eval detaches them from the graph).
     h, per_layer_in = stack.embed(inputs)
-    masks = stack.masks(h, descriptors=chunked)
+    masks = stack.masks(h, descriptors=chunked,
+                        segments=lengths.segments[:, :-1] if packed else None)
     mx.eval(h, per_layer_in, [m for m in masks.values() if isinstance(m, mx.array)])
     kv_saved: dict[int, tuple[mx.array, mx.array]] = {}
     readers = [stack.donors_read_by(a, b) for a, b in segs]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
@@ -48,18 +49,31 @@ class Stack:
         """The mlx-lm module defining the layers (where attention is looked up by name)."""
         return sys.modules[type(self.layers[0]).__module__]
 
-    def masks(self, h: mx.array, descriptors: bool = False) -> dict[str, Mask]:
+    def masks(self, h: mx.array, descriptors: bool = False,
+              segments: np.ndarray | None = None) -> dict[str, Mask]:
         """One mask per attention type, as mlx-lm builds them for a cache-less call.
 
         With `descriptors`, a `MaskSpec` per type instead: chunked attention builds each chunk's
-        mask from positions, so no [L, L] array ever exists.
+        mask from positions, so no [L, L] array ever exists. With `segments` ([B, L] example
+        ids of a packed batch), block-diagonal causal masks (`segback.engine.packing`): arrays,
+        or with `descriptors` `MaskSpec`s that chunked attention runs block-sparse.
         """
-        if descriptors:
-            from segback.engine.attention import MaskSpec
+        sliding = "sliding_attention" in self.layer_types
+        if segments is not None and not descriptors:
+            from segback.engine.packing import attention_mask
 
-            out: dict[str, Mask] = {"full_attention": MaskSpec("causal")}
-            if "sliding_attention" in self.layer_types:
-                out["sliding_attention"] = MaskSpec("sliding", self.window)
+            ids = mx.array(segments)
+            out = {"full_attention": attention_mask(ids)}
+            if sliding:
+                out["sliding_attention"] = attention_mask(ids, self.window)
+            return out
+        if descriptors:
+            from segback.engine.attention import Blocks, MaskSpec
+
+            blocks = None if segments is None else Blocks(segments)
+            out: dict[str, Mask] = {"full_attention": MaskSpec("causal", blocks=blocks)}
+            if sliding:
+                out["sliding_attention"] = MaskSpec("sliding", self.window, blocks=blocks)
             return out
         out = {"full_attention": create_attention_mask(h, None)}
         if "sliding_attention" in self.layer_types:

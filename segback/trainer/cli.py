@@ -243,6 +243,10 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
                     engine=EngineOptions.from_dict(searched | runtime, "engine options"))
     plan.check(n, get_stack(model).layer_types, seq_len=cfg.max_seq_length,
                batch_size=cfg.batch_size)
+    if cfg.pack and plan.engine.tile:
+        raise ConfigError(f"--pack needs an untiled plan (this one has tiles of "
+                          f"{plan.engine.tile} tokens): the tiled engine builds no "
+                          "block-diagonal masks; leave out --tile, or train unpacked")
     return plan
 
 

@@ -206,6 +206,11 @@ class TrainConfig:
                                      "data or model are removed and training starts afresh "
                                      "(default: refuse to resume, naming what changed)",
                                      group="segback")
+    pack: bool = option(False, bool, "pack several training examples into each row of "
+                        "--max-seq-length tokens (block-diagonal attention: the loss and "
+                        "gradients equal mlx-lm's on the examples unpacked); with --attention "
+                        "chunked only each example's own block is computed; validation and "
+                        "test stay unpacked; needs an untiled plan", group="segback")
     progress: bool = option(True, bool, "tqdm progress bar", group="segback")
     engine: dict = option({}, MAPPING, "engine options (a config file may give them flat: "
                           "tile: 2048, offload: true, ...)", cli=False, group="segback")

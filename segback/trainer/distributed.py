@@ -40,6 +40,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from segback.data import PAD_TO, TokenDataset
+from segback.engine.packing import Packed
 from segback.data import batch_at as _batch_at
 from segback.trainer.checkpoints import TrainingDiverged, identity, trainable_weights
 
@@ -140,11 +141,18 @@ def shard(batch: mx.array, lengths: mx.array, world: World, batch_size: int
     if world.size == 1:
         return batch, lengths
     lo = world.rank * batch_size
-    rows, lens = batch[lo:lo + batch_size], lengths[lo:lo + batch_size]
+    rows = batch[lo:lo + batch_size]
+    if isinstance(lengths, Packed):  # packed rows (--pack): their example ids and targets
+        lens = lengths.rows(lo, lo + batch_size)
+        longest = int(lens.tokens_per_row().max()) if rows.shape[0] else 0
+    else:
+        lens = lengths[lo:lo + batch_size]
+        longest = int(mx.max(lens[:, 1]).item()) + 1 if rows.shape[0] else 0
     if rows.shape[0] == 0:
         return rows, lens
-    longest = int(mx.max(lens[:, 1]).item()) + 1
     width = min(1 + PAD_TO * -(-(longest - 1) // PAD_TO), batch.shape[1])
+    if isinstance(lens, Packed):
+        lens = lens.rows(0, rows.shape[0], width)
     return rows[:, :width], lens
 
 

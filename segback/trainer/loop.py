@@ -38,6 +38,9 @@ from segback.data import (
     validation_batches,
 )
 from segback.engine import memory_stats, reset_peak
+from segback.engine.packing import input_tokens as count_input_tokens
+from segback.packing import PackedDataset, pack_dataset
+from segback.packing import describe as describe_packing
 from segback.trainer import distributed
 from segback.trainer.checkpoints import Run
 from segback.trainer.distributed import World
@@ -68,6 +71,7 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
     """
     world = world or distributed.init()
     grad_fn = grad_fn or segmented_grad_fn()
+    train_set = packed(train_set, args)
     distributed.check_data(train_set, args.batch_size, world)
     run = Run(args, model, train_set, world_size=world.size) if world.main else \
         distributed.Replica(args, model, train_set, world)
@@ -143,7 +147,7 @@ def gradients(model: nn.Module, grad_fn: GradFn, train_set: TokenDataset, step: 
         index = (step - 1) * n + j
         batch, lengths = distributed.batch_at(train_set, index, args.batch_size, args.seed,
                                               args.max_seq_length, world)
-        input_tokens += int(mx.sum(lengths[:, 1] + 1).item())
+        input_tokens += count_input_tokens(lengths)
         mx.random.seed(distributed.rank_seed(micro_seed(args.seed, index), world))
         (loss, toks), grads = grad_fn(model, batch, lengths)
         if parallel:
@@ -206,6 +210,7 @@ def summary(args: Any, model: nn.Module, stats: dict, plan: Any, wall: float,
         "segments": [list(s) for s in segments] if isinstance(segments, list) else segments,
         "plan": args.plan if isinstance(args.plan, (str, int)) else "list",
         "engine": plan.engine.to_dict() if hasattr(plan, "engine") else None,
+        "pack": bool(getattr(args, "pack", False)),
         "fine_tune_type": args.fine_tune_type,
         "lora_parameters": None if args.fine_tune_type == "full" else args.lora_parameters,
         "optimizer": args.optimizer,
@@ -357,6 +362,17 @@ def load_data(args: Any, tokenizer: Any) -> tuple[TokenDataset | None, ...]:
     if args.test and data.get("test") is None:
         raise DataError(f"--test needs a test split (test.jsonl in {args.data})")
     return tuple(data.get(s) for s in ("train", "valid", "test"))
+
+
+def packed(train_set: TokenDataset, args: Any) -> TokenDataset:
+    """With --pack, the training examples packed into rows of --max-seq-length tokens
+    (`segback.packing`); validation and test stay unpacked (the same loss either way, and
+    comparable with unpacked runs)."""
+    if not getattr(args, "pack", False) or isinstance(train_set, PackedDataset):
+        return train_set
+    train_set = pack_dataset(train_set, args.max_seq_length)
+    print(f"segback: {describe_packing(train_set)}", file=sys.stderr)
+    return train_set
 
 
 def as_dataset(rows: Any, tokenizer: Any, args: Any, name: str) -> TokenDataset | None:
