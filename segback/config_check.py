@@ -76,7 +76,19 @@ def check_config(config: dict, schema_path: str | Path) -> None:
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         problems.append(f"`data.min_sources` ({lo}) is larger than `data.max_sources` ({hi}): "
                         "a case stitches between min and max conversations; swap or fix them")
+    problems += _random_only_problems(config.get("models"))
     if problems:
         raise ConfigError("config: " + "\n  ".join(
             ["the workflow cannot run with this config; fix these keys "
              "(config/config.yaml documents each):", *problems]))
+
+
+def _random_only_problems(models: Any) -> list[str]:
+    """Quantizing is for random weights: other sources are used as they are stored."""
+    if not isinstance(models, dict):
+        return []
+    return [f"`models.{name}.quant_bits`: for source: random only (a {m.get('source')} model "
+            "is used as stored; pick a quantized checkpoint instead)"
+            for name, m in models.items()
+            if isinstance(m, dict) and m.get("quant_bits") is not None
+            and m.get("source") != "random"]

@@ -211,6 +211,38 @@ def test_prepare_random_round_trips_through_mlx_lm(tiny_gguf, tmp_path, cache):
     assert (local / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
 
 
+def test_prepare_random_quantized_loads_in_mlx_lm(tiny_gguf, tmp_path, cache):
+    """--quant-bits writes what mlx-lm's 4-bit checkpoints hold: packed layers and the config's
+    `quantization` entry, so mlx_lm.load rebuilds the quantized layers and the forward runs."""
+    import mlx.nn as nn
+    import mlx_lm
+
+    path, _ = tiny_gguf
+    out = tmp_path / "q4"
+    args = prep_args("random", "tiny-e4b", out, tokenizer_gguf=str(path), quant_bits=4,
+                     quant_group_size=32)
+    assert prep.main(args) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    model, tok = mlx_lm.load(str(out))
+    quantized = {name for name, m in model.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    assert "model.embed_tokens" in quantized and "model.layers.0.mlp.up_proj" in quantized
+    assert model.model.embed_tokens.bits == 4
+    logits = model(mx.array([tok.encode("hello world")]))
+    assert logits.shape[-1] == len(_vocab()[0]) and bool(mx.isfinite(logits).all())
+    seg_model, _ = load(str(out))  # segback's loader: same layers, float32 scales on CPU
+    assert seg_model.model.layers[0].mlp.up_proj.scales.dtype == mx.float32
+
+
+def test_prepare_quant_bits_is_for_random_only(tmp_path):
+    with pytest.raises(ValueError, match="--source random only"):
+        prep.prepare("local", str(tmp_path), tmp_path / "out", quant_bits=4)
+    with pytest.raises(ValueError, match="--quant-group-size 48"):
+        prep.prepare("random", "tiny-llama", tmp_path / "out", quant_bits=4, quant_group_size=48)
+    assert not (tmp_path / "out").exists()
+
+
 def test_prepare_random_without_tokenizer(tmp_path):
     out = tmp_path / "nt"
     s = prep.prepare("random", "tiny-llama", out, tokenizer_gguf="none")

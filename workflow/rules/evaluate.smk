@@ -10,6 +10,7 @@ rule baseline_eval:
         "results/{model}/baseline/predictions.jsonl",
     params:
         max_new_tokens=EVAL["max_new_tokens"],
+        **GENERATE_PARAMS,
     log:
         "results/logs/{model}/baseline_eval.log",
     benchmark:
@@ -20,7 +21,7 @@ rule baseline_eval:
         gpu=GPU,
     shell:
         "segback generate --model {input.model} --data {input.data} --out {output}"
-        " --max-tokens {params.max_new_tokens} > {log} 2>&1"
+        " --max-tokens {params.max_new_tokens}" + GENERATE_FLAGS + " > {log} 2>&1"
 
 
 rule finetuned_eval:
@@ -33,6 +34,7 @@ rule finetuned_eval:
     params:
         adapter=lambda w, input: os.path.join(input.export, "mlx"),
         max_new_tokens=EVAL["max_new_tokens"],
+        **GENERATE_PARAMS,
     log:
         "results/logs/{model}/seq{seq}/finetuned_eval.log",
     benchmark:
@@ -44,7 +46,7 @@ rule finetuned_eval:
     shell:
         "segback generate --model {input.model} --adapter {params.adapter}"
         " --data {input.data} --out {output} --max-tokens {params.max_new_tokens}"
-        " > {log} 2>&1"
+        + GENERATE_FLAGS + " > {log} 2>&1"
 
 
 # {variant} is "baseline" or "seq{seq}/finetuned".

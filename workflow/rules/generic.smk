@@ -170,6 +170,7 @@ if SCORER:
             RUN + "/baseline/predictions.jsonl",
         params:
             max_new_tokens=EVAL["max_new_tokens"],
+            **GENERATE_PARAMS,
         log:
             LOGS + "/baseline_generate.log",
         benchmark:
@@ -180,7 +181,7 @@ if SCORER:
             gpu=GPU,
         shell:
             "segback generate --model {input.model} --data {input.data} --out {output}"
-            " --max-tokens {params.max_new_tokens} > {log} 2>&1"
+            " --max-tokens {params.max_new_tokens}" + GENERATE_FLAGS + " > {log} 2>&1"
 
     rule finetuned_generate:
         input:
@@ -192,6 +193,7 @@ if SCORER:
         params:
             adapter=lambda w, input: os.path.join(input.export, "mlx"),
             max_new_tokens=EVAL["max_new_tokens"],
+            **GENERATE_PARAMS,
         log:
             LOGS + "/seq{seq}/finetuned_generate.log",
         benchmark:
@@ -203,7 +205,7 @@ if SCORER:
         shell:
             "segback generate --model {input.model} --adapter {params.adapter}"
             " --data {input.data} --out {output} --max-tokens {params.max_new_tokens}"
-            " > {log} 2>&1"
+            + GENERATE_FLAGS + " > {log} 2>&1"
 
     # {variant} is "baseline" or "seq{seq}/finetuned".
     rule score:
