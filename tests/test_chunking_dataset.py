@@ -97,3 +97,18 @@ def test_make_label():
     assert len(make_label("word " * 30).split()) == 8
     assert make_label("```python\nprint(1)\n```\nFix this code please") == (
         "Fix this code please")
+
+
+def test_label_words_cuts_gold_labels(built, tmp_path):
+    stats = build_dataset(tmp_path, seed=7, **SMALL, label_words=4)
+    assert stats["knobs"]["label_words"] == 4
+    cases = [c for s in ("train", "valid", "test") for c in load(tmp_path / f"{s}.jsonl")]
+    words = [len(c["label"].split()) for case in cases for c in case["gold"]["chunks"]]
+    assert words and max(words) == 4  # long first sentences are cut at exactly 4 words
+    assert all(score_case(c, gold_completion(c))["score"] == 100 for c in cases)
+
+
+@pytest.mark.parametrize("label_words", [1, 9])
+def test_label_words_outside_the_scorer_limit_is_refused(tmp_path, label_words):
+    with pytest.raises(ValueError, match="label_words must be between 2 and 8"):
+        build_dataset(tmp_path, seed=7, **SMALL, label_words=label_words)

@@ -114,7 +114,8 @@ def truncate(text: str, max_chars: int) -> str:
     return cut.rstrip() + " [...]"
 
 
-def clean_source(record: dict, max_turns: int, max_message_chars: int) -> dict:
+def clean_source(record: dict, max_turns: int, max_message_chars: int,
+                 label_words: int = MAX_LABEL_WORDS) -> dict:
     """A usable source conversation, or the reason to skip it (in `skip`)."""
     rid = record["id"]
     out = {"source_id": rid, "group": rid.rsplit("_", 1)[0], "label": "", "messages": [],
@@ -141,7 +142,7 @@ def clean_source(record: dict, max_turns: int, max_message_chars: int) -> dict:
     else:
         text = "\n".join(m["content"] for m in msgs)
         first = record["conversations"][0]["value"]
-        label = make_label(first)
+        label = make_label(first, label_words)
         if not english_ish(text) or not english_ish(first, min_common=0.0):
             out["skip"] = "not English-ish"
         elif _SPECIAL.search(text):
@@ -157,8 +158,8 @@ def clean_source(record: dict, max_turns: int, max_message_chars: int) -> dict:
     return out
 
 
-def usable_sources(records: list[dict], max_turns: int, max_message_chars: int
-                   ) -> tuple[list[dict], Counter]:
+def usable_sources(records: list[dict], max_turns: int, max_message_chars: int,
+                   label_words: int = MAX_LABEL_WORDS) -> tuple[list[dict], Counter]:
     """Clean and filter with `datasets`; keep one source per ShareGPT conversation."""
     from datasets import Dataset, Features, List, Value
 
@@ -168,7 +169,8 @@ def usable_sources(records: list[dict], max_turns: int, max_message_chars: int
         "skip": Value("string"),
     })
     ds = Dataset.from_list(records).map(
-        clean_source, fn_kwargs={"max_turns": max_turns, "max_message_chars": max_message_chars},
+        clean_source, fn_kwargs={"max_turns": max_turns, "max_message_chars": max_message_chars,
+                                 "label_words": label_words},
         remove_columns=["id", "conversations"], features=features, desc="clean sources")
     reasons = Counter(r for r in ds["skip"] if r)
     ds = ds.filter(lambda skip: not skip, input_columns="skip", desc="usable sources")
@@ -267,18 +269,21 @@ def case_chars(case: dict) -> int:
 def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: int = 50,
                   n_test: int = 30, min_sources: int = 2, max_sources: int = 6,
                   max_turns: int = 6, max_message_chars: int = 1500,
-                  max_records: int | None = None, data_path: str | Path | None = None
-                  ) -> dict:
+                  max_records: int | None = None, data_path: str | Path | None = None,
+                  label_words: int = MAX_LABEL_WORDS) -> dict:
     """Write out/{train,valid,test}.jsonl and out/stats.json; return the stats."""
     if not 1 <= min_sources <= max_sources:
         raise ValueError("need 1 <= min_sources <= max_sources")
     if max_turns < 2:
         raise ValueError("max_turns counts messages and must be >= 2 (a question and its reply)")
+    if not 2 <= label_words <= MAX_LABEL_WORDS:
+        raise ValueError(f"label_words must be between 2 and {MAX_LABEL_WORDS} (the scorer's "
+                         "limit on a label)")
     records, info = read_sharegpt(data_path, max_records)
     print(f"segback build-data: read {info['records_kept']} complete ShareGPT records"
           + (" (file ends mid-record, as expected)" if info["truncated"] else ""),
           file=sys.stderr)
-    sources, reasons = usable_sources(records, max_turns, max_message_chars)
+    sources, reasons = usable_sources(records, max_turns, max_message_chars, label_words)
     sizes = {"train": n_train, "valid": n_valid, "test": n_test}
     parts = partition(sources, sizes, max_sources, min_sources, seed)
     out = Path(out)
@@ -286,7 +291,7 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
         "seed": seed,
         "knobs": {"min_sources": min_sources, "max_sources": max_sources,
                   "max_turns": max_turns, "max_message_chars": max_message_chars,
-                  "max_records": max_records},
+                  "label_words": label_words, "max_records": max_records},
         "records_kept": info["records_kept"], "records_truncated": info["truncated"],
         "sources_usable": len(sources), "sources_skipped": dict(sorted(reasons.items())),
         "chars_per_token_estimate": CHARS_PER_TOKEN, "splits": {},
@@ -325,6 +330,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "user message without its reply is dropped)")
     parser.add_argument("--max-message-chars", type=int, default=1500,
                         help="each message is cut (at a word boundary) to this many characters")
+    parser.add_argument("--label-words", type=int, default=MAX_LABEL_WORDS,
+                        help="gold labels are the first sentence of a source's first message, "
+                        f"cut to this many words (2-{MAX_LABEL_WORDS}; the scorer allows "
+                        f"{MAX_LABEL_WORDS})")
     parser.add_argument("--max-records", type=int, default=None,
                         help="read only this many ShareGPT records (quick runs, tests)")
 
@@ -332,7 +341,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     stats = build_dataset(args.out, args.seed, args.n_train, args.n_valid, args.n_test,
                           args.min_sources, args.max_sources, args.max_turns,
-                          args.max_message_chars, args.max_records)
+                          args.max_message_chars, args.max_records,
+                          label_words=args.label_words)
     for split, s in stats["splits"].items():
         t = s["est_tokens"]
         print(f"{split}: {s['cases']} cases, est. tokens p10/p50/p90 "

@@ -331,6 +331,7 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    import mlx.core as mx
     from tqdm import tqdm
 
     from segback.models.load import load  # mlx-lm's loader, float32 on CPU (bf16 is ~35x slower)
@@ -391,5 +392,6 @@ def main(args: argparse.Namespace) -> int:
     n_json = sum(r.get("parsed") is not None for r in out_rows)
     print(f"segback generate: {len(out_rows)} rows ({len(todo)} generated, "
           f"{n_tokens / max(time.perf_counter() - tic, 1e-9):.1f} tok/s), {n_json} parsed as "
-          f"JSON, finished by {reasons} -> {args.out}", file=sys.stderr)
+          f"JSON, finished by {reasons}, peak memory {mx.get_peak_memory() / 1e9:.2f} GB "
+          f"-> {args.out}", file=sys.stderr)
     return 0

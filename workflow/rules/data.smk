@@ -20,6 +20,7 @@ rule build_dataset:
         max_sources=DATA["max_sources"],
         max_turns=DATA["max_turns"],
         max_message_chars=DATA["max_message_chars"],
+        label_words=DATA.get("label_words", 8),
     log:
         "results/logs/data/build_dataset.log",
     benchmark:
@@ -32,7 +33,7 @@ rule build_dataset:
         " --n-train {params.n_train} --n-valid {params.n_valid} --n-test {params.n_test}"
         " --min-sources {params.min_sources} --max-sources {params.max_sources}"
         " --max-turns {params.max_turns} --max-message-chars {params.max_message_chars}"
-        " > {log} 2>&1"
+        " --label-words {params.label_words} > {log} 2>&1"
 
 
 rule filter_test:
