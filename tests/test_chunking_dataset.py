@@ -112,3 +112,12 @@ def test_label_words_cuts_gold_labels(built, tmp_path):
 def test_label_words_outside_the_scorer_limit_is_refused(tmp_path, label_words):
     with pytest.raises(ValueError, match="label_words must be between 2 and 8"):
         build_dataset(tmp_path, seed=7, **SMALL, label_words=label_words)
+
+
+def test_max_reply_chars_cuts_replies_only(built, tmp_path):
+    build_dataset(tmp_path, seed=7, **SMALL, max_reply_chars=120)
+    msgs = [m for s in ("train", "valid", "test") for c in load(tmp_path / f"{s}.jsonl")
+            for m in c["messages"]]
+    replies = [len(m["content"]) for m in msgs if m["role"] == "assistant"]
+    questions = [len(m["content"]) for m in msgs if m["role"] == "user"]
+    assert max(replies) <= 120 + 6 < max(questions) <= 300 + 6

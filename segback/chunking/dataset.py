@@ -115,8 +115,9 @@ def truncate(text: str, max_chars: int) -> str:
 
 
 def clean_source(record: dict, max_turns: int, max_message_chars: int,
-                 label_words: int = MAX_LABEL_WORDS) -> dict:
-    """A usable source conversation, or the reason to skip it (in `skip`)."""
+                 label_words: int = MAX_LABEL_WORDS, max_reply_chars: int | None = None) -> dict:
+    """A usable source conversation, or the reason to skip it (in `skip`). Replies are cut at
+    `max_reply_chars` (default `max_message_chars`): the topic lives in the user's messages."""
     rid = record["id"]
     out = {"source_id": rid, "group": rid.rsplit("_", 1)[0], "label": "", "messages": [],
            "skip": ""}
@@ -128,7 +129,8 @@ def clean_source(record: dict, max_turns: int, max_message_chars: int,
             break  # system/bing/bard turns or empty replies end the usable prefix
         if msgs and msgs[-1]["role"] == role:
             break  # roles must alternate
-        msgs.append({"role": role, "content": truncate(content, max_message_chars)})
+        limit = max_reply_chars if role == "assistant" and max_reply_chars else max_message_chars
+        msgs.append({"role": role, "content": truncate(content, limit)})
         if len(msgs) >= max_turns:
             break
     if len(msgs) % 2:
@@ -159,7 +161,8 @@ def clean_source(record: dict, max_turns: int, max_message_chars: int,
 
 
 def usable_sources(records: list[dict], max_turns: int, max_message_chars: int,
-                   label_words: int = MAX_LABEL_WORDS) -> tuple[list[dict], Counter]:
+                   label_words: int = MAX_LABEL_WORDS, max_reply_chars: int | None = None
+                   ) -> tuple[list[dict], Counter]:
     """Clean and filter with `datasets`; keep one source per ShareGPT conversation."""
     from datasets import Dataset, Features, List, Value
 
@@ -170,7 +173,7 @@ def usable_sources(records: list[dict], max_turns: int, max_message_chars: int,
     })
     ds = Dataset.from_list(records).map(
         clean_source, fn_kwargs={"max_turns": max_turns, "max_message_chars": max_message_chars,
-                                 "label_words": label_words},
+                                 "label_words": label_words, "max_reply_chars": max_reply_chars},
         remove_columns=["id", "conversations"], features=features, desc="clean sources")
     reasons = Counter(r for r in ds["skip"] if r)
     ds = ds.filter(lambda skip: not skip, input_columns="skip", desc="usable sources")
@@ -270,7 +273,8 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
                   n_test: int = 30, min_sources: int = 2, max_sources: int = 6,
                   max_turns: int = 6, max_message_chars: int = 1500,
                   max_records: int | None = None, data_path: str | Path | None = None,
-                  label_words: int = MAX_LABEL_WORDS) -> dict:
+                  label_words: int = MAX_LABEL_WORDS, max_reply_chars: int | None = None
+                  ) -> dict:
     """Write out/{train,valid,test}.jsonl and out/stats.json; return the stats."""
     if not 1 <= min_sources <= max_sources:
         raise ValueError("need 1 <= min_sources <= max_sources")
@@ -283,7 +287,10 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
     print(f"segback build-data: read {info['records_kept']} complete ShareGPT records"
           + (" (file ends mid-record, as expected)" if info["truncated"] else ""),
           file=sys.stderr)
-    sources, reasons = usable_sources(records, max_turns, max_message_chars, label_words)
+    if max_reply_chars is not None and max_reply_chars < 1:
+        raise ValueError("max_reply_chars must be positive (or None for max_message_chars)")
+    sources, reasons = usable_sources(records, max_turns, max_message_chars, label_words,
+                                      max_reply_chars)
     sizes = {"train": n_train, "valid": n_valid, "test": n_test}
     parts = partition(sources, sizes, max_sources, min_sources, seed)
     out = Path(out)
@@ -291,7 +298,8 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
         "seed": seed,
         "knobs": {"min_sources": min_sources, "max_sources": max_sources,
                   "max_turns": max_turns, "max_message_chars": max_message_chars,
-                  "label_words": label_words, "max_records": max_records},
+                  "max_reply_chars": max_reply_chars, "label_words": label_words,
+                  "max_records": max_records},
         "records_kept": info["records_kept"], "records_truncated": info["truncated"],
         "sources_usable": len(sources), "sources_skipped": dict(sorted(reasons.items())),
         "chars_per_token_estimate": CHARS_PER_TOKEN, "splits": {},
@@ -330,6 +338,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "user message without its reply is dropped)")
     parser.add_argument("--max-message-chars", type=int, default=1500,
                         help="each message is cut (at a word boundary) to this many characters")
+    parser.add_argument("--max-reply-chars", type=int, default=None,
+                        help="assistant replies are cut to this many characters (default: "
+                        "--max-message-chars)")
     parser.add_argument("--label-words", type=int, default=MAX_LABEL_WORDS,
                         help="gold labels are the first sentence of a source's first message, "
                         f"cut to this many words (2-{MAX_LABEL_WORDS}; the scorer allows "
@@ -342,7 +353,7 @@ def main(args: argparse.Namespace) -> int:
     stats = build_dataset(args.out, args.seed, args.n_train, args.n_valid, args.n_test,
                           args.min_sources, args.max_sources, args.max_turns,
                           args.max_message_chars, args.max_records,
-                          label_words=args.label_words)
+                          label_words=args.label_words, max_reply_chars=args.max_reply_chars)
     for split, s in stats["splits"].items():
         t = s["est_tokens"]
         print(f"{split}: {s['cases']} cases, est. tokens p10/p50/p90 "
