@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from segback.trainer import cli
 from segback.trainer.config import OPTIMIZERS, ConfigError, TrainConfig, from_args
@@ -206,5 +207,8 @@ def test_workflow_train_rule_is_checked_against_the_declaration(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cfg = from_args(parser.parse_args(argv))
-    assert cfg.iters == 60 and cfg.max_seq_length == 2048 and cfg.mask_prompt
+    train = yaml.safe_load((repo / "config" / "config.yaml").read_text())["train"]
+    assert cfg.iters == train["iters"] and cfg.val_batches == train["val_batches"]
+    assert cfg.steps_per_eval == train["val_every"]
+    assert cfg.max_seq_length == 2048 and cfg.mask_prompt
     assert cfg.checkpoint_dir.endswith("train_work/checkpoints") and cfg.restart_on_change
