@@ -99,7 +99,7 @@ def test_make_label():
         "Fix this code please")
 
 
-def test_label_words_cuts_gold_labels(built, tmp_path):
+def test_label_words_cuts_gold_labels(tmp_path):
     stats = build_dataset(tmp_path, seed=7, **SMALL, label_words=4)
     assert stats["knobs"]["label_words"] == 4
     cases = [c for s in ("train", "valid", "test") for c in load(tmp_path / f"{s}.jsonl")]
@@ -114,7 +114,7 @@ def test_label_words_outside_the_scorer_limit_is_refused(tmp_path, label_words):
         build_dataset(tmp_path, seed=7, **SMALL, label_words=label_words)
 
 
-def test_max_reply_chars_cuts_replies_only(built, tmp_path):
+def test_max_reply_chars_cuts_replies_only(tmp_path):
     build_dataset(tmp_path, seed=7, **SMALL, max_reply_chars=120)
     msgs = [m for s in ("train", "valid", "test") for c in load(tmp_path / f"{s}.jsonl")
             for m in c["messages"]]

@@ -283,12 +283,12 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
     if not 2 <= label_words <= MAX_LABEL_WORDS:
         raise ValueError(f"label_words must be between 2 and {MAX_LABEL_WORDS} (the scorer's "
                          "limit on a label)")
+    if max_reply_chars is not None and max_reply_chars < 1:
+        raise ValueError("max_reply_chars must be positive (or None for max_message_chars)")
     records, info = read_sharegpt(data_path, max_records)
     print(f"segback build-data: read {info['records_kept']} complete ShareGPT records"
           + (" (file ends mid-record, as expected)" if info["truncated"] else ""),
           file=sys.stderr)
-    if max_reply_chars is not None and max_reply_chars < 1:
-        raise ValueError("max_reply_chars must be positive (or None for max_message_chars)")
     sources, reasons = usable_sources(records, max_turns, max_message_chars, label_words,
                                       max_reply_chars)
     sizes = {"train": n_train, "valid": n_valid, "test": n_test}

@@ -20,10 +20,8 @@ rule build_dataset:
         max_sources=DATA["max_sources"],
         max_turns=DATA["max_turns"],
         max_message_chars=DATA["max_message_chars"],
-        label_words=DATA.get("label_words", 8),
-        max_reply_chars=(
-            f"--max-reply-chars {DATA['max_reply_chars']}" if DATA.get("max_reply_chars") else ""
-        ),
+        label_words=opt("--label-words", DATA.get("label_words")),
+        max_reply_chars=opt("--max-reply-chars", DATA.get("max_reply_chars")),
     log:
         "results/logs/data/build_dataset.log",
     benchmark:
@@ -36,7 +34,7 @@ rule build_dataset:
         " --n-train {params.n_train} --n-valid {params.n_valid} --n-test {params.n_test}"
         " --min-sources {params.min_sources} --max-sources {params.max_sources}"
         " --max-turns {params.max_turns} --max-message-chars {params.max_message_chars}"
-        " --label-words {params.label_words} {params.max_reply_chars} > {log} 2>&1"
+        " {params.label_words} {params.max_reply_chars} > {log} 2>&1"
 
 
 rule filter_test:

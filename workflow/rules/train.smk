@@ -64,7 +64,7 @@ rule train_lora:
         lora_dropout=TRAIN["lora_dropout"],
         num_layers=TRAIN["num_layers"],
         steps_per_eval=TRAIN["val_every"],
-        val_batches=TRAIN.get("val_batches", -1),
+        val_batches=opt("--val-batches", TRAIN.get("val_batches")),
         save_every=TRAIN["save_every"],
         seed=TRAIN["seed"],
         compile=TRAIN.get("compile", "auto"),  # auto, on/off or true/false: the trainer reads each
@@ -94,7 +94,7 @@ rule train_lora:
                 " --fine-tune-type lora --lora-rank {params.lora_rank}"
                 " --lora-scale {params.lora_scale} --lora-dropout {params.lora_dropout}"
                 " --num-layers {params.num_layers} " + MASK_PROMPT_FLAG +  # chunking: on
-                " --steps-per-eval {params.steps_per_eval} --val-batches {params.val_batches}"
+                " --steps-per-eval {params.steps_per_eval} {params.val_batches}"
                 " --save-every {params.save_every}"
                 " --seed {params.seed} --compile {params.compile}"
                 " --checkpoint-dir {params.work}/checkpoints --restart-on-change {params.clean}"
