@@ -95,6 +95,10 @@ def test_make_label():
     assert make_label("Write a code in Javascript to sign a PDF file with a key") == (
         "Write a code in Javascript to sign")
     assert len(make_label("word " * 30).split()) == 8
+    # a markdown escape's backslash is not part of the title (the model copied it unescaped
+    # into its JSON answer, which made the answer invalid)
+    assert make_label("if object id (TLA\\_Mov\\_Access) is set") == (
+        "if object id (TLA Mov Access) is set")
     assert make_label("```python\nprint(1)\n```\nFix this code please") == (
         "Fix this code please")
 

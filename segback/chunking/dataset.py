@@ -85,7 +85,7 @@ def read_sharegpt(path: str | Path | None = None, max_records: int | None = None
 def make_label(text: str, max_words: int = MAX_LABEL_WORDS) -> str:
     """A short title: the first sentence of `text`, stripped of markup, cut to `max_words`."""
     text = _TAG.sub(" ", _URL.sub(" ", _FENCE.sub(" ", text)))
-    text = _MARKUP.sub(" ", text)
+    text = _MARKUP.sub(" ", text).replace("\\", "")  # no escapes (TLA\_Mov) in titles
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     sentence = _SENTENCE_END.split(line, maxsplit=1)[0]
     words = [w for w in sentence.split() if len(w) <= 30][:max_words]

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from segback.models.fast_gelu import use_fast_gelu
 from segback.models.geometry import GEOMETRIES, build_model
 
 GEOMETRY_PREFIX = "geometry:"
@@ -63,20 +64,26 @@ def _mount(model: nn.Module, adapter_path: str | Path) -> None:
 
 
 def load(path_or_geometry: str | Path, adapter_path: str | None = None,
-         dtype: mx.Dtype | str | None = None) -> tuple[nn.Module, object | None]:
+         dtype: mx.Dtype | str | None = None, fast_gelu: bool | None = None,
+         ) -> tuple[nn.Module, object | None]:
     """Return (model, tokenizer): mlx-lm's loader for a directory, a random model for a geometry.
 
     A geometry (`tiny-e4b` or `geometry:tiny-e4b`) has no tokenizer, so None is returned for it.
     A directory must hold config.json; the prefix forces the geometry reading of a name.
+    `fast_gelu` (default: on the CPU) swaps Gemma-2/3 MLPs' GELU for segback.models.fast_gelu.
     """
     spec = str(path_or_geometry)
     dtype = _as_dtype(dtype) or default_dtype()
+    if fast_gelu is None:
+        fast_gelu = mx.default_device() == mx.cpu
     path = Path(spec)
     if not spec.startswith(GEOMETRY_PREFIX) and (path / "config.json").is_file():
         model, tokenizer = _load_dir(path, adapter_path)
         if dtype is not None:
             cast_floating(model, dtype)
             mx.eval(model.parameters())
+        if fast_gelu:
+            use_fast_gelu(model)
         return model, tokenizer
 
     name = spec.removeprefix(GEOMETRY_PREFIX)
@@ -86,6 +93,8 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
             _mount(model, adapter_path)
             cast_floating(model, dtype or mx.float32)
             mx.eval(model.parameters())
+        if fast_gelu:
+            use_fast_gelu(model)
         return model, None
 
     if HUB_ID.match(spec) and not path.exists():  # a Hub id, as mlx_lm.load takes it
@@ -95,7 +104,7 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
             snapshot = hub_snapshot(spec)
         except RuntimeError as e:  # offline or unreachable: one paragraph on what to do
             raise FileNotFoundError(str(e)) from None
-        return load(snapshot, adapter_path, dtype)
+        return load(snapshot, adapter_path, dtype, fast_gelu)
 
     reason = (f"{spec!r} is a directory without config.json" if path.is_dir()
               else f"{spec!r} is neither a checkpoint directory nor a known geometry")

@@ -261,16 +261,19 @@ def model_source(wildcards):
 
 
 def model_extra(wildcards):
-    """prepare-model's options of a random model (tokenizer, seed, quantization); "" otherwise."""
+    """prepare-model's options: a gguf or random model's stored dtype, a random model's
+    tokenizer, seed and quantization; "" for none."""
     m = model_entry(wildcards)
+    dtype = opt("--dtype", m.get("dtype") if m["source"] in ("gguf", "random") else None)
     if m["source"] != "random":
-        return ""
+        return dtype
     bits = m.get("quant_bits")
     flags = (
         opt("--tokenizer-gguf", m.get("tokenizer_gguf")),
         opt("--seed", m.get("seed")),
         opt("--quant-bits", bits),
         opt("--quant-group-size", m.get("quant_group_size") if bits else None),
+        dtype,
     )
     return " ".join(x for x in flags if x)
 
