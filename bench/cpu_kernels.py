@@ -3,7 +3,8 @@ matmul rate.
 
 Times each op on one [tokens, width] float32 array (a Gemma-3 270M MLP activation at the default
 experiment's mean case by default), eager and under mx.compile, and the gradient of GELU (tanh
-approximation, as Gemma's MLP uses it). One JSON line per op: milliseconds per call and
+approximation, as Gemma's MLP uses it), and segback.models.fast_gelu's replacement for it.
+One JSON line per op: milliseconds per call and
 nanoseconds per element; the last line sets them beside a matmul of the same layer.
 
     python bench/cpu_kernels.py                     # 1088 x 2048, float32
@@ -33,6 +34,8 @@ def main() -> None:
     import mlx.core as mx
     import mlx.nn as nn
 
+    from segback.models.fast_gelu import gelu_approx as fast_gelu
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1088)
     parser.add_argument("--width", type=int, default=2048, help="MLP width (Gemma-3 270M: 2048)")
@@ -54,6 +57,8 @@ def main() -> None:
         "gelu_approx (x * sigmoid form)": lambda a: a * mx.sigmoid(2 * c * (a + 0.044715 * a**3)),
         "softmax (last axis)": lambda a: mx.softmax(a, axis=-1),
         "grad gelu_approx": mx.grad(lambda a: nn.gelu_approx(a).sum()),
+        "segback fast_gelu": fast_gelu,
+        "grad segback fast_gelu": mx.grad(lambda a: fast_gelu(a).sum()),
     }
     n = args.tokens * args.width
     rows = {}
@@ -70,6 +75,7 @@ def main() -> None:
     print(json.dumps({"op": f"matmul [{args.tokens},{args.hidden}]x[{args.hidden},{args.width}]",
                       "ms": round(mm, 3), "gflops": round(gflops, 1),
                       "gelu_over_matmul": round(rows[("gelu_approx", True)] / mm, 2),
+                      "fast_gelu_over_matmul": round(rows[("segback fast_gelu", False)] / mm, 2),
                       "exp_over_multiply": round(rows[("exp", False)] / rows[("multiply", False)],
                                                  1)}))
 
