@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
     model.freeze()
     layers = model.layers if hasattr(model, "layers") else model.model.layers
     linear_to_lora_layers(model, len(layers), {"rank": 8, "scale": 20.0, "dropout": 0.0})
-    plan = json.load(open(args.plan)) if args.plan else None
+    plan = json.loads(Path(args.plan).read_text()) if args.plan else None
     vocab = model.args.vocab_size
     batch = mx.random.randint(0, vocab, (1, args.seq), key=mx.random.key(0))
     lengths = mx.array([[int(args.prompt_frac * args.seq), args.seq - 1]])
