@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in COMPUTE_COMMANDS:
         from segback.blas import ensure_openblas
+        from segback.kernel_cache import persist_kernel_cache
 
         ensure_openblas()
+        persist_kernel_cache()
     sys.argv = [sys.argv[0], *argv]
     args = build_parser().parse_args(argv)
     result = importlib.import_module(args._module).main(args)

@@ -32,6 +32,9 @@ MAX_LABEL_WORDS = 8
 CHARS_PER_TOKEN = 4  # rough estimate for stats; the real count comes from `filter-data`
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
 ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "segback/chunking")
+UUID_CHARS = 36  # a message id of `id_chars` = 36 is the whole UUID string
+MIN_ID_CHARS = 6
+ID_CHARS = 8  # default message id: 8 hex characters (a UUID5's first group)
 
 # Text that a tokenizer could read as control tokens would corrupt training examples.
 _SPECIAL = re.compile(r"<\|[^>\s]{0,40}\|>|</?(?:s|bos|eos|pad|unk|start_of_turn|end_of_turn)>")
@@ -210,16 +213,29 @@ def partition(sources: list[dict], sizes: dict[str, int], max_sources: int, min_
     return out
 
 
-def message_id(seed: int, case_id: str, index: int) -> str:
-    return str(uuid.uuid5(ID_NAMESPACE, f"{seed}/{case_id}/{index}"))
+def message_id(seed: int, case_id: str, index: int, id_chars: int = ID_CHARS,
+               taken: frozenset[str] | set[str] = frozenset()) -> str:
+    """The first `id_chars` characters of a UUID5 of (seed, case, position), unique in the case.
+
+    A full UUID costs 33 Gemma tokens, 8 hex characters 6-8: with 8 the ids are ~5x cheaper to
+    read and to copy into the answer. A prefix that is already taken in the case is drawn again.
+    """
+    for attempt in range(1000):
+        salt = f"/{attempt}" if attempt else ""
+        mid = str(uuid.uuid5(ID_NAMESPACE, f"{seed}/{case_id}/{index}{salt}"))[:id_chars]
+        if mid not in taken:
+            return mid
+    raise ValueError(f"no unique {id_chars}-character message id for {case_id}; raise id_chars")
 
 
-def stitch(case_id: str, picked: list[dict], seed: int) -> dict:
+def stitch(case_id: str, picked: list[dict], seed: int, id_chars: int = ID_CHARS) -> dict:
     """One case: the picked sources in order, fresh message ids, gold chunks = sources."""
     messages, chunks = [], []
+    taken: set[str] = set()
     for src in picked:
         for j, m in enumerate(src["messages"]):
-            mid = message_id(seed, case_id, len(messages))
+            mid = message_id(seed, case_id, len(messages), id_chars, taken)
+            taken.add(mid)
             if j == 0:
                 chunks.append({"anchor": mid, "label": src["label"]})
             messages.append({"id": mid, "role": m["role"], "content": m["content"]})
@@ -228,7 +244,8 @@ def stitch(case_id: str, picked: list[dict], seed: int) -> dict:
 
 
 def build_split(split: str, sources: list[dict], n_cases: int, min_sources: int,
-                max_sources: int, seed: int) -> tuple[list[dict], int]:
+                max_sources: int, seed: int, id_chars: int = ID_CHARS
+                ) -> tuple[list[dict], int]:
     """`n_cases` cases from this split's sources; reuse only once all were used."""
     rng = random.Random(f"segback-{split}-{seed}")
     queue: list[dict] = []
@@ -252,7 +269,7 @@ def build_split(split: str, sources: list[dict], n_cases: int, min_sources: int,
             draws += 1
         if len(picked) < min_sources:
             raise ValueError(f"cannot stitch {min_sources} distinct sources for {split} case {i}")
-        cases.append(stitch(f"{split}-{i:05d}", picked, seed))
+        cases.append(stitch(f"{split}-{i:05d}", picked, seed, id_chars))
     return cases, draws
 
 
@@ -273,8 +290,8 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
                   n_test: int = 30, min_sources: int = 2, max_sources: int = 6,
                   max_turns: int = 6, max_message_chars: int = 1500,
                   max_records: int | None = None, data_path: str | Path | None = None,
-                  label_words: int = MAX_LABEL_WORDS, max_reply_chars: int | None = None
-                  ) -> dict:
+                  label_words: int = MAX_LABEL_WORDS, max_reply_chars: int | None = None,
+                  id_chars: int = ID_CHARS) -> dict:
     """Write out/{train,valid,test}.jsonl and out/stats.json; return the stats."""
     if not 1 <= min_sources <= max_sources:
         raise ValueError("need 1 <= min_sources <= max_sources")
@@ -285,6 +302,9 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
                          "limit on a label)")
     if max_reply_chars is not None and max_reply_chars < 1:
         raise ValueError("max_reply_chars must be positive (or None for max_message_chars)")
+    if not MIN_ID_CHARS <= id_chars <= UUID_CHARS:
+        raise ValueError(f"id_chars must be between {MIN_ID_CHARS} and {UUID_CHARS} (the whole "
+                         "UUID)")
     records, info = read_sharegpt(data_path, max_records)
     print(f"segback build-data: read {info['records_kept']} complete ShareGPT records"
           + (" (file ends mid-record, as expected)" if info["truncated"] else ""),
@@ -299,6 +319,7 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
         "knobs": {"min_sources": min_sources, "max_sources": max_sources,
                   "max_turns": max_turns, "max_message_chars": max_message_chars,
                   "max_reply_chars": max_reply_chars, "label_words": label_words,
+                  "id_chars": id_chars,
                   "max_records": max_records},
         "records_kept": info["records_kept"], "records_truncated": info["truncated"],
         "sources_usable": len(sources), "sources_skipped": dict(sorted(reasons.items())),
@@ -306,7 +327,7 @@ def build_dataset(out: str | Path, seed: int = 0, n_train: int = 1000, n_valid: 
     }
     for split in SPLITS:
         cases, draws = build_split(split, parts[split], sizes[split], min_sources,
-                                   max_sources, seed)
+                                   max_sources, seed, id_chars)
         atomic_write_jsonl(out / f"{split}.jsonl", cases)
         chars = [case_chars(c) for c in cases]
         tokens = [c / CHARS_PER_TOKEN for c in chars]
@@ -345,6 +366,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gold labels are the first sentence of a source's first message, "
                         f"cut to this many words (2-{MAX_LABEL_WORDS}; the scorer allows "
                         f"{MAX_LABEL_WORDS})")
+    parser.add_argument("--id-chars", type=int, default=ID_CHARS,
+                        help=f"characters of each message id, a UUID5's prefix ({MIN_ID_CHARS}-"
+                        f"{UUID_CHARS}; {UUID_CHARS} = the whole UUID, 33 tokens to read and "
+                        "copy where 8 hex characters are 6-8)")
     parser.add_argument("--max-records", type=int, default=None,
                         help="read only this many ShareGPT records (quick runs, tests)")
 
@@ -353,7 +378,8 @@ def main(args: argparse.Namespace) -> int:
     stats = build_dataset(args.out, args.seed, args.n_train, args.n_valid, args.n_test,
                           args.min_sources, args.max_sources, args.max_turns,
                           args.max_message_chars, args.max_records,
-                          label_words=args.label_words, max_reply_chars=args.max_reply_chars)
+                          label_words=args.label_words, max_reply_chars=args.max_reply_chars,
+                          id_chars=args.id_chars)
     for split, s in stats["splits"].items():
         t = s["est_tokens"]
         print(f"{split}: {s['cases']} cases, est. tokens p10/p50/p90 "

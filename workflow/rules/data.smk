@@ -22,6 +22,7 @@ rule build_dataset:
         max_message_chars=DATA["max_message_chars"],
         label_words=opt("--label-words", DATA.get("label_words")),
         max_reply_chars=opt("--max-reply-chars", DATA.get("max_reply_chars")),
+        id_chars=opt("--id-chars", DATA.get("id_chars")),
     log:
         "results/logs/data/build_dataset.log",
     benchmark:
@@ -34,7 +35,7 @@ rule build_dataset:
         " --n-train {params.n_train} --n-valid {params.n_valid} --n-test {params.n_test}"
         " --min-sources {params.min_sources} --max-sources {params.max_sources}"
         " --max-turns {params.max_turns} --max-message-chars {params.max_message_chars}"
-        " {params.label_words} {params.max_reply_chars} > {log} 2>&1"
+        " {params.label_words} {params.max_reply_chars} {params.id_chars} > {log} 2>&1"
 
 
 rule filter_test:
