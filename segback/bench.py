@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-layers", type=int, default=-1, help="-1 = all layers")
     p.add_argument("--quant-bits", type=int, default=None, help="quantize a random geometry")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--dequant-matmul", action="store_true",
+                   help="every mode: quantized linears run inputs of many rows as "
+                   "dequantize-then-matmul (segback.models.dequant_linear)")
     p.add_argument("--segments", default="auto",
                    help="auto (the planner), N layers per segment, or a plan JSON file")
     p.add_argument("--target-gb", type=float, default=None, help="planner memory target")
@@ -103,7 +106,7 @@ def _load(args):
         return build_model(args.model, dtype=dtype, quantize_bits=args.quant_bits), dtype
     from segback.models.load import load
 
-    model, _ = load(args.model)
+    model, _ = load(args.model, dequant_matmul=False)  # --dequant-matmul decides, every mode
     return model, dtype
 
 
@@ -147,6 +150,10 @@ def run_worker(args) -> dict:
     mode = args.worker
     peak_flops = matmul_peak()  # before the model: nothing else holds memory yet
     model, dtype = _load(args)
+    if args.dequant_matmul:
+        from segback.models.dequant_linear import use_dequantized_matmul
+
+        use_dequantized_matmul(model)
     model.freeze()
     n = len(model.layers)
     layers = n if args.lora_layers < 0 else args.lora_layers
@@ -159,7 +166,8 @@ def run_worker(args) -> dict:
     batch, lengths = bench_batch(B, L, vocab, args.prompt_frac, args.pack, mode == "segmented")
     mx.eval(model.parameters(), opt.state, batch)
     row = {"mode": mode, "model": args.model, "seq": L, "batch": B,
-           "device": str(mx.default_device()), "mlx": mx.__version__}
+           "device": str(mx.default_device()), "mlx": mx.__version__,
+           "dequant_matmul": args.dequant_matmul}
     if args.pack:
         row |= {"pack": args.pack, "example_tokens": (L + 1) // args.pack,
                 "packed": mode == "segmented"}

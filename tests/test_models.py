@@ -232,7 +232,11 @@ def test_prepare_random_quantized_loads_in_mlx_lm(tiny_gguf, tmp_path, cache):
     logits = model(mx.array([tok.encode("hello world")]))
     assert logits.shape[-1] == len(_vocab()[0]) and bool(mx.isfinite(logits).all())
     seg_model, _ = load(str(out))  # segback's loader: same layers, float32 scales on CPU
-    assert seg_model.model.layers[0].mlp.up_proj.scales.dtype == mx.float32
+    up = seg_model.model.layers[0].mlp.up_proj
+    assert up.scales.dtype == mx.float32
+    assert type(up).__module__ == "segback.models.dequant_linear"  # long inputs dense
+    stock, _ = load(str(out), dequant_matmul=False)
+    assert type(stock.model.layers[0].mlp.up_proj) is nn.QuantizedLinear
 
 
 def test_prepare_quant_bits_is_for_random_only(tmp_path):

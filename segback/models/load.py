@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from segback.models.dequant_linear import use_dequantized_matmul
 from segback.models.fast_gelu import use_fast_gelu
 from segback.models.geometry import GEOMETRIES, build_model
 
@@ -65,12 +66,14 @@ def _mount(model: nn.Module, adapter_path: str | Path) -> None:
 
 def load(path_or_geometry: str | Path, adapter_path: str | None = None,
          dtype: mx.Dtype | str | None = None, fast_gelu: bool | None = None,
-         ) -> tuple[nn.Module, object | None]:
+         dequant_matmul: bool = True) -> tuple[nn.Module, object | None]:
     """Return (model, tokenizer): mlx-lm's loader for a directory, a random model for a geometry.
 
     A geometry (`tiny-e4b` or `geometry:tiny-e4b`) has no tokenizer, so None is returned for it.
     A directory must hold config.json; the prefix forces the geometry reading of a name.
     `fast_gelu` (default: on the CPU) swaps Gemma-2/3 MLPs' GELU for segback.models.fast_gelu.
+    `dequant_matmul` runs quantized linears' long inputs (training, prefill) as
+    dequantize-then-matmul (segback.models.dequant_linear); decoding keeps the quantized kernel.
     """
     spec = str(path_or_geometry)
     dtype = _as_dtype(dtype) or default_dtype()
@@ -84,6 +87,8 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
             mx.eval(model.parameters())
         if fast_gelu:
             use_fast_gelu(model)
+        if dequant_matmul:
+            use_dequantized_matmul(model)
         return model, tokenizer
 
     name = spec.removeprefix(GEOMETRY_PREFIX)
@@ -104,7 +109,7 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
             snapshot = hub_snapshot(spec)
         except RuntimeError as e:  # offline or unreachable: one paragraph on what to do
             raise FileNotFoundError(str(e)) from None
-        return load(snapshot, adapter_path, dtype, fast_gelu)
+        return load(snapshot, adapter_path, dtype, fast_gelu, dequant_matmul)
 
     reason = (f"{spec!r} is a directory without config.json" if path.is_dir()
               else f"{spec!r} is neither a checkpoint directory nor a known geometry")
