@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-bits", type=int, default=None, help="quantize a random geometry")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--dequant-matmul", action="store_true",
-                   help="every mode: quantized linears run inputs of many rows as "
+                   help="every mode: quantized linears run long sequences as "
                    "dequantize-then-matmul (segback.models.dequant_linear)")
     p.add_argument("--segments", default="auto",
                    help="auto (the planner), N layers per segment, or a plan JSON file")

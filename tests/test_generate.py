@@ -118,8 +118,20 @@ def one_at_a_time(model, tok, prompt: list[int], max_tokens: int) -> tuple[str, 
     return text, n
 
 
-def test_batched_greedy_equals_one_at_a_time(loaded):
-    model, tok = loaded
+@pytest.fixture(scope="module")
+def quantized(model_dir):
+    """The tiny model at 4 bits, prompts of 8+ tokens prefilled as dequantize-then-matmul."""
+    from segback.models.dequant_linear import use_dequantized_matmul
+
+    model, tok = load(str(model_dir))
+    nn.quantize(model, group_size=32, bits=4)
+    assert use_dequantized_matmul(model, min_tokens=8) > 0
+    return model, tok
+
+
+@pytest.mark.parametrize("which", ["loaded", "quantized"])
+def test_batched_greedy_equals_one_at_a_time(which, request):
+    model, tok = request.getfixturevalue(which)
     words = "hello world he llo wor ld".split()
     rows = [{"id": i, "prompt": " ".join(words[(i * 7 + j) % 6] for j in range(n))}
             for i, n in enumerate([1, 3, 9, 20, 40, 6, 60, 13])]

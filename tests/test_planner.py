@@ -293,3 +293,27 @@ def test_plan_engine_options_round_trip_and_old_plan_files(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(old))
     read = Plan.read(tmp_path / "old.json")
     assert read.segments == plan.segments and read.engine.tile == 16 and read.engine.offload
+
+
+def test_measured_choice_is_the_fastest_measured_within_the_target():
+    """--measure times candidates on the real model; the plan is the fastest measured that fits,
+    and it says so (records in inputs.measured, in the cost model's order)."""
+    plan = plan_segments("tiny-llama", 64, target_gb=1.0, measure=3)
+    recs = plan.inputs["measured"]
+    assert len(recs) == 3 and [r["index"] for r in recs] == [0, 1, 2]
+    assert all(0 < r["peak_gb"] <= 1.0 and r["seconds"] > 0 for r in recs)
+    best = min(recs, key=lambda r: r["seconds"])
+    assert len(plan.segments) == best["segments"] and plan.meets_target
+    assert plan.message.startswith("measured 3 of ")
+
+
+def test_measured_choice_falls_back_to_the_smallest_measured_peak():
+    from segback.engine.plan import Plan
+    from segback.planner.measure import measured_pick
+
+    model = build_model("tiny-llama")
+    model.freeze()
+    plans = [Plan(segments=[(0, 4)]), Plan(segments=[(0, 1), (1, 2), (2, 3), (3, 4)])]
+    chosen, recs = measured_pick(model, plans, 1e-6, 64, 1, 4, limit=1)
+    assert len(recs) == 2  # nothing fit within the limit: it went on measuring
+    assert chosen == min(recs, key=lambda r: r["peak_gb"])["index"]

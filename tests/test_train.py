@@ -341,6 +341,10 @@ def test_plan_engine_options_reach_the_engine(tmp_path):
     kept = plan(plan="auto", max_seq_length=256, tile="64", offload="true", target_gb=1.0)
     assert kept.segments == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert kept.engine.boundaries_on_device == 4
+    measured = plan(plan="auto", max_seq_length=64, target_gb=1.0, measure_plan=2)
+    assert len(measured.inputs["measured"]) == 2 and measured.meets_target
+    with pytest.raises(ValueError, match="--measure-plan 2 needs --plan auto"):
+        plan(plan="2", measure_plan=2)
 
 
 def test_tiled_training_matches_untiled(tmp_path, capsys):

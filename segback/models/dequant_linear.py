@@ -1,6 +1,6 @@
 """Quantized linears that run long inputs as dequantize-then-matmul.
 
-Training pushes thousands of rows through each frozen quantized linear three times a step
+Training pushes thousands of tokens through each frozen quantized linear three times a step
 (forward, recompute, input gradient). `mx.quantized_matmul` dequantizes inside its kernel; where
 that kernel reaches a small share of the device's dense matmul rate, materializing the layer's
 weight in the compute dtype for the one matmul and dropping it after is faster, at the cost of
@@ -16,7 +16,7 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 
-MIN_ROWS = 256  # rows (tokens x batch) from which the dense path is taken
+MIN_TOKENS = 256  # tokens per sequence from which the dense path is taken
 
 
 @cache
@@ -44,8 +44,10 @@ def _dense_matmul(group_size: int, bits: int, mode: str):
 @cache
 def _dense_class(base: type) -> type:
     def __call__(self, x: mx.array) -> mx.array:
-        rows = x.size // x.shape[-1]
-        if rows < self.dense_min_rows or self.get("biases") is None:
+        # by tokens per sequence, not rows in the batch: a prompt takes the same path decoded
+        # alone or batched, so batched greedy decoding stays equal to unbatched
+        tokens = x.shape[-2] if x.ndim > 1 else 1
+        if tokens < self.dense_min_tokens or self.get("biases") is None:
             return base.__call__(self, x)
         matmul = _dense_matmul(self.group_size, self.bits, self.mode)
         y = matmul(x, self["weight"], self["scales"], self["biases"])
@@ -54,12 +56,12 @@ def _dense_class(base: type) -> type:
     return type(f"Dense{base.__name__}", (base,), {"__call__": __call__})
 
 
-def use_dequantized_matmul(model: nn.Module, min_rows: int = MIN_ROWS) -> int:
+def use_dequantized_matmul(model: nn.Module, min_tokens: int = MIN_TOKENS) -> int:
     """Swap every `nn.QuantizedLinear` of `model` in place; return how many were swapped."""
     n = 0
     for _, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear) and not hasattr(m, "dense_min_rows"):
+        if isinstance(m, nn.QuantizedLinear) and not hasattr(m, "dense_min_tokens"):
             m.__class__ = _dense_class(type(m))
-            m.dense_min_rows = min_rows
+            m.dense_min_tokens = min_tokens
             n += 1
     return n

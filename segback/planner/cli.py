@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure a 1- and a 2-layer segment at two lengths and fit the "
                         "cost model (a geometry is built with random weights)")
+    parser.add_argument("--measure", type=int, default=0, metavar="N",
+                        help="time N candidate plans (predicted to meet --target-gb, fastest "
+                        "first; more while none measured within it) for one step each on the "
+                        "real model and keep the fastest measured within the target (a geometry "
+                        "is built with random weights)")
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lora-layers", "--num-layers", dest="lora_layers", type=int,
                         default=None, help="LoRA on the last N layers (default: all)")
@@ -67,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
                              light_tile=None if args.light_tile is None else
                              EngineOptions.from_dict({"tile": 1, "light_tile":
                                                       args.light_tile}).light_tile,
-                             boundaries_on_device=args.boundaries_on_device, options=runtime)
+                             boundaries_on_device=args.boundaries_on_device, options=runtime,
+                             measure=args.measure)
     except (ValueError, FileNotFoundError, OptionsError, PlanError) as e:  # no traceback
         print(f"segback plan: error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ sequence length to a `segback.engine.Plan`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ def plan_segments(
     light_tile: int | None = None,
     boundaries_on_device: int | str = "auto",
     options: EngineOptions | None = None,
+    measure: int = 0,
 ) -> Plan:
     """Plan the segments of a segmented backward and the engine options that run them.
 
@@ -54,7 +55,10 @@ def plan_segments(
     tile); `boundaries_on_device` keeps the last N segments' boundaries on the device, "auto"
     (default) as many as the target leaves room for (none without one). `options` carries the
     run-time engine options (compile, shared traces, tiles in flight, prefetch, head chunk) into
-    the plan; the planner fills in what it chose.
+    the plan; the planner fills in what it chose. `measure` > 0 times that many candidate plans
+    (those predicted to meet the target, fastest predicted first; more while none measured
+    within it) on the real model, one step each, and returns the fastest measured within the
+    target (`segback.planner.measure`); the records are in the plan's `inputs.measured`.
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
@@ -62,7 +66,13 @@ def plan_segments(
     tile, offload, boundaries_on_device = search_space(tile, offload, light_tile,
                                                        boundaries_on_device)
     configs = tile_configs(seq_len, attention, tile, offload)
-    if calibrate and _is_lazy_random(model_or_config):  # measuring needs real weights
+    if measure and not isinstance(model_or_config, (nn.Module, dict)) \
+            and Path(model_or_config).is_dir():  # time it as training loads it
+        from segback.models.load import load
+
+        model_or_config, _ = load(model_or_config, dtype=dtype)
+        model_or_config.freeze()
+    if (calibrate or measure) and _is_lazy_random(model_or_config):  # needs real weights
         from segback.models.geometry import build_model, geometry_config
 
         if dtype is None:  # bfloat16 matmuls are slow on CPU
@@ -98,7 +108,51 @@ def plan_segments(
         options.append((cost, segs, target_gb is None or peak <= target_gb * GB,
                         time_budget is None or cost.relative_step_time(segs) <= time_budget,
                         f"given plan of {len(segs)} segments: {peak / GB:.2f} GB"))
-    cost, segments, meets_target, meets_time, message = pick(options, target_gb)
+    def finish(cost, segments, meets_target, meets_time, message):
+        return _plan(cost, segments, meets_target, meets_time, message, len(options), geom,
+                     target_gb, boundaries_on_device, runtime, inputs)
+
+    inputs = dict(model=model_id, model_type=geom.model_type, num_layers=geom.num_layers,
+                  seq_len=seq_len, batch_size=batch_size, target_gb=target_gb,
+                  time_budget=time_budget, dtype=geom.dtype, attention=attention, tile=tile,
+                  offload=offload, light_tile=light_tile,
+                  boundaries_on_device=boundaries_on_device, lora_rank=lora_rank,
+                  lora_layers=lora_layers,
+                  quant_bits=quant_bits if quant_bits is not None else
+                  (geom.quant_bits[0] if len(geom.quant_bits) == 1 else geom.quant_bits or None),
+                  calibration=asdict(coef) if coef.calibrated else None)
+    if not measure or given is not None:
+        return finish(*pick(options, target_gb))
+    from segback.planner.measure import measured_pick
+    from segback.planner.search import _best_by_count
+
+    candidates = []
+    for cost, *_ in options:
+        for segs in _best_by_count(cost).values():
+            peak = cost.evaluate(segs)["peak"]
+            if target_gb is None or peak <= target_gb * GB:
+                candidates.append((cost.relative_step_time(segs), peak, cost, segs))
+    if not candidates:  # nothing is predicted to fit: measure the planner's own choice
+        return finish(*pick(options, target_gb))
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    plans = [finish(cost, segs, True, True, f"{len(segs)} segments")
+             for _, _, cost, segs in candidates]
+    chosen, records = measured_pick(model, plans, target_gb, seq_len, batch_size, lora_rank,
+                                    measure)
+    plan = plans[chosen]
+    rec = next(r for r in records if r["index"] == chosen)
+    fits = target_gb is None or rec["peak_gb"] <= target_gb
+    message = (f"measured {len(records)} of {len(plans)} candidate plans: {plan.message}, "
+               f"{rec['peak_gb']:.2f} GB measured, {rec['seconds']:.3f} s a step"
+               + ("" if fits else f" (none measured within {target_gb:g} GB: the smallest "
+                  "peak)"))
+    return replace(plan, meets_target=bool(fits), message=message,
+                   inputs=plan.inputs | {"measured": records})
+
+
+def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, target_gb,
+          boundaries_on_device, runtime, inputs) -> Plan:
+    """The Plan of one (configuration, cut): kept boundaries, engine options, predictions."""
     if cost.offload and boundaries_on_device == "auto":
         if target_gb is not None and meets_target:
             cost.boundaries_on_device = most_kept(cost, segments, target_gb)
@@ -107,10 +161,10 @@ def plan_segments(
         meets_target = target_gb is None or cost.evaluate(segments)["peak"] <= target_gb * GB
     if cost.offload and cost.boundaries_on_device:
         message += f"; the last {cost.kept(len(segments))} boundaries stay on the device"
-    if len(options) > 1:
+    if n_options > 1:
         what = f"tile {cost.tile}" + (", offload" if cost.offload else "") if cost.tile \
             else "untiled"
-        message = f"{what} (best of {len(options)} configurations): {message}"
+        message = f"{what} (best of {n_options} configurations): {message}"
     ev = cost.evaluate(segments)
     sharers = geom.sharers()
     saved_kv = [dict(donor=d, kind=geom.layers[d].kind, read_by_segments=ks,
@@ -134,26 +188,7 @@ def plan_segments(
         meets_time_budget=bool(meets_time),
         message=message,
         layer_types=[g.kind for g in geom.layers],
-        inputs=dict(
-            model=model_id,
-            model_type=geom.model_type,
-            num_layers=geom.num_layers,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            target_gb=target_gb,
-            time_budget=time_budget,
-            dtype=geom.dtype,
-            attention=attention,
-            tile=tile,
-            offload=offload,
-            light_tile=light_tile,
-            boundaries_on_device=boundaries_on_device,
-            lora_rank=lora_rank,
-            lora_layers=lora_layers,
-            quant_bits=quant_bits if quant_bits is not None else
-            (geom.quant_bits[0] if len(geom.quant_bits) == 1 else geom.quant_bits or None),
-            calibration=asdict(coef) if coef.calibrated else None,
-        ),
+        inputs=dict(inputs),
     )
 
 

@@ -220,6 +220,9 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
         if cfg.target_gb is not None:
             raise ConfigError(f"--target-gb {cfg.target_gb} needs --plan auto (a given plan has "
                               "its own target: make it with `segback plan --target-gb`)")
+        if cfg.measure_plan:
+            raise ConfigError(f"--measure-plan {cfg.measure_plan} needs --plan auto (it times "
+                              "the planner's candidates)")
     n = len(model.layers)
     if cfg.plan == "auto":
         from segback.planner import plan_segments
@@ -233,7 +236,8 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
             lora_layers=None if cfg.num_layers < 0 else cfg.num_layers,
             attention=fixed.attention, tile=given.get("tile"),
             offload=given.get("offload", False), light_tile=given.get("light_tile"),
-            boundaries_on_device=given.get("boundaries_on_device", "auto"), options=fixed)
+            boundaries_on_device=given.get("boundaries_on_device", "auto"), options=fixed,
+            measure=cfg.measure_plan)
     elif isinstance(cfg.plan, str):
         plan = Plan.read(cfg.plan)
         plan = plan.with_engine(EngineOptions.from_dict(

@@ -167,6 +167,10 @@ class TrainConfig:
     target_gb: float | None = option(None, float, "with --plan auto: the planner's memory "
                                      "target in GB (default: the plan of least peak memory)",
                                      check=positive, group="segback")
+    measure_plan: int = option(0, int, "with --plan auto: time N candidate plans for one step "
+                               "each on this model and train with the fastest measured within "
+                               "--target-gb (0: the cost model alone)", check=at_least(0),
+                               group="segback")
     lora_rank: int | None = option(None, int, "LoRA rank (fills lora_parameters.rank; 8)",
                                    check=at_least(1), fills="lora_parameters.rank",
                                    group="segback")
