@@ -57,9 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-layers", type=int, default=-1, help="-1 = all layers")
     p.add_argument("--quant-bits", type=int, default=None, help="quantize a random geometry")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--dequant-matmul", action="store_true",
-                   help="every mode: quantized linears run long sequences as "
-                   "dequantize-then-matmul (segback.models.dequant_linear)")
+    p.add_argument("--dequant-matmul", default="false", nargs="?", const="true",
+                   choices=["auto", "true", "false"], type=str.lower,
+                   help="quantized linears run long sequences as dequantize-then-matmul "
+                   "(segback.models.dequant_linear): true in every mode; auto in the segmented "
+                   "mode only (as `segback train` loads models; the mlx-lm modes as mlx-lm "
+                   "ships); false (default, as every row before it was measured)")
     p.add_argument("--segments", default="auto",
                    help="auto (the planner), N layers per segment, or a plan JSON file")
     p.add_argument("--target-gb", type=float, default=None, help="planner memory target")
@@ -106,7 +109,7 @@ def _load(args):
         return build_model(args.model, dtype=dtype, quantize_bits=args.quant_bits), dtype
     from segback.models.load import load
 
-    model, _ = load(args.model, dequant_matmul=False)  # --dequant-matmul decides, every mode
+    model, _ = load(args.model, dequant_matmul=False)  # --dequant-matmul decides
     return model, dtype
 
 
@@ -150,7 +153,9 @@ def run_worker(args) -> dict:
     mode = args.worker
     peak_flops = matmul_peak()  # before the model: nothing else holds memory yet
     model, dtype = _load(args)
-    if args.dequant_matmul:
+    dequant = args.dequant_matmul == "true" or (args.dequant_matmul == "auto"
+                                               and args.worker == "segmented")
+    if dequant:
         from segback.models.dequant_linear import use_dequantized_matmul
 
         use_dequantized_matmul(model)
@@ -167,7 +172,7 @@ def run_worker(args) -> dict:
     mx.eval(model.parameters(), opt.state, batch)
     row = {"mode": mode, "model": args.model, "seq": L, "batch": B,
            "device": str(mx.default_device()), "mlx": mx.__version__,
-           "dequant_matmul": args.dequant_matmul}
+           "dequant_matmul": dequant}
     if args.pack:
         row |= {"pack": args.pack, "example_tokens": (L + 1) // args.pack,
                 "packed": mode == "segmented"}
