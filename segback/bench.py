@@ -154,7 +154,7 @@ def run_worker(args) -> dict:
     peak_flops = matmul_peak()  # before the model: nothing else holds memory yet
     model, dtype = _load(args)
     dequant = args.dequant_matmul == "true" or (args.dequant_matmul == "auto"
-                                               and args.worker == "segmented")
+                                               and mode == "segmented")
     if dequant:
         from segback.models.dequant_linear import use_dequantized_matmul
 

@@ -316,4 +316,5 @@ def test_measured_choice_falls_back_to_the_smallest_measured_peak():
     plans = [Plan(segments=[(0, 4)]), Plan(segments=[(0, 1), (1, 2), (2, 3), (3, 4)])]
     chosen, recs = measured_pick(model, plans, 1e-6, 64, 1, 4, limit=1)
     assert len(recs) == 2  # nothing fit within the limit: it went on measuring
-    assert chosen == min(recs, key=lambda r: r["peak_gb"])["index"]
+    assert not any(r["fits"] for r in recs)
+    assert chosen is plans[min(recs, key=lambda r: r["peak_gb"])["index"]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,33 +52,32 @@ def measure_plan(model: nn.Module, plan: Plan, seq_len: int, batch_size: int = 1
             layer.update_modules(tree_unflatten(originals))
 
 
-def measured_pick(model: nn.Module, plans: list[Plan], target_gb: float | None, seq_len: int,
-                  batch_size: int, lora_rank: int, limit: int) -> tuple[int, list[dict]]:
-    """(index of the chosen plan, one record per measured plan).
+def measured_pick(model: nn.Module, plans: Iterable[Plan], target_gb: float | None,
+                  seq_len: int, batch_size: int, lora_rank: int, limit: int
+                  ) -> tuple[Plan, list[dict]]:
+    """(the chosen plan, one record per measured plan: its "index" in `plans`, the plan, peaks,
+    seconds and whether it "fits" the target).
 
     `plans` come in the cost model's order, fastest predicted first. Up to `limit` of them are
     timed, and more while none has met the target; the fastest measured plan within the target
     wins, else the one with the smallest measured peak.
     """
+    from segback.planner.plan import engine_label
+
     records: list[dict] = []
     for i, plan in enumerate(plans):
-        fits = [r for r in records if target_gb is None or r["peak_gb"] <= target_gb]
-        if len(records) >= limit and fits:
+        if len(records) >= limit and any(r["fits"] for r in records):
             break
         r = measure_plan(model, plan, seq_len, batch_size, lora_rank)
-        records.append({"index": i, "segments": len(plan.segments), "tile": plan.engine.tile,
-                        "offload": plan.engine.offload,
+        records.append({"index": i, "plan": plan, "segments": len(plan.segments),
+                        "tile": plan.engine.tile, "offload": plan.engine.offload,
                         "predicted_gb": round(plan.predicted_peak_gb, 3),
-                        "peak_gb": round(r["peak_gb"], 3), "seconds": round(r["seconds"], 4)})
-        print(f"segback plan: measured {_what(plan)}: {r['peak_gb']:.2f} GB (predicted "
+                        "peak_gb": round(r["peak_gb"], 3), "seconds": round(r["seconds"], 4),
+                        "fits": target_gb is None or r["peak_gb"] <= target_gb})
+        print(f"segback plan: measured {engine_label(plan.engine.tile, plan.engine.offload)}, "
+              f"{len(plan.segments)} segments: {r['peak_gb']:.2f} GB (predicted "
               f"{plan.predicted_peak_gb:.2f}), {r['seconds']:.3f} s a step", flush=True)
-    fits = [r for r in records if target_gb is None or r["peak_gb"] <= target_gb]
+    fits = [r for r in records if r["fits"]]
     best = min(fits, key=lambda r: r["seconds"]) if fits else \
         min(records, key=lambda r: r["peak_gb"])
-    return best["index"], records
-
-
-def _what(plan: Plan) -> str:
-    e = plan.engine
-    how = f"tile {e.tile}" + (", offload" if e.offload else "") if e.tile else "untiled"
-    return f"{how}, {len(plan.segments)} segments"
+    return best["plan"], records

@@ -135,19 +135,25 @@ def plan_segments(
     if not candidates:  # nothing is predicted to fit: measure the planner's own choice
         return finish(*pick(options, target_gb))
     candidates.sort(key=lambda c: (c[0], c[1]))
-    plans = [finish(cost, segs, True, True, f"{len(segs)} segments")
-             for _, _, cost, segs in candidates]
-    chosen, records = measured_pick(model, plans, target_gb, seq_len, batch_size, lora_rank,
-                                    measure)
-    plan = plans[chosen]
-    rec = next(r for r in records if r["index"] == chosen)
-    fits = target_gb is None or rec["peak_gb"] <= target_gb
-    message = (f"measured {len(records)} of {len(plans)} candidate plans: {plan.message}, "
+    plans = (_plan(cost, segs, True, True, f"{engine_label(cost.tile, cost.offload)}, "
+                   f"{len(segs)} segments", 1, geom, target_gb, boundaries_on_device, runtime,
+                   inputs)
+             for _, _, cost, segs in candidates)  # built only as they are measured
+    plan, records = measured_pick(model, plans, target_gb, seq_len, batch_size, lora_rank,
+                                  measure)
+    rec = next(r for r in records if r["plan"] is plan)
+    message = (f"measured {len(records)} of {len(candidates)} candidate plans: {plan.message}, "
                f"{rec['peak_gb']:.2f} GB measured, {rec['seconds']:.3f} s a step"
-               + ("" if fits else f" (none measured within {target_gb:g} GB: the smallest "
-                  "peak)"))
-    return replace(plan, meets_target=bool(fits), message=message,
-                   inputs=plan.inputs | {"measured": records})
+               + ("" if rec["fits"] else f" (none measured within {target_gb:g} GB: the "
+                  "smallest peak)"))
+    return replace(plan, meets_target=rec["fits"], message=message,
+                   inputs=plan.inputs | {"measured": [
+                       {k: v for k, v in r.items() if k != "plan"} for r in records]})
+
+
+def engine_label(tile: int | None, offload: bool) -> str:
+    """"untiled", "tile 2048" or "tile 2048, offload": how a plan runs its layers."""
+    return f"tile {tile}" + (", offload" if offload else "") if tile else "untiled"
 
 
 def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, target_gb,
@@ -162,9 +168,8 @@ def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, ta
     if cost.offload and cost.boundaries_on_device:
         message += f"; the last {cost.kept(len(segments))} boundaries stay on the device"
     if n_options > 1:
-        what = f"tile {cost.tile}" + (", offload" if cost.offload else "") if cost.tile \
-            else "untiled"
-        message = f"{what} (best of {n_options} configurations): {message}"
+        message = (f"{engine_label(cost.tile, cost.offload)} (best of {n_options} "
+                   f"configurations): {message}")
     ev = cost.evaluate(segments)
     sharers = geom.sharers()
     saved_kv = [dict(donor=d, kind=geom.layers[d].kind, read_by_segments=ks,
