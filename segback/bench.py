@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segments", default="auto",
                    help="auto (the planner), N layers per segment, or a plan JSON file")
     p.add_argument("--target-gb", type=float, default=None, help="planner memory target")
+    p.add_argument("--measure", default="auto", metavar="N",
+                   help="with --segments auto: time N candidate plans on the model first and "
+                   "keep the fastest measured within --target-gb, as `segback plan --measure` "
+                   "(auto, the default: 3 on a GPU with --target-gb, else 0)")
     search = p.add_argument_group("the planner's choices (with --segments auto)")
     search.add_argument("--attention", default="fused", choices=["fused", "chunked"])
     search.add_argument("--tile", default=None, help="tokens per tile, or auto")
@@ -127,12 +131,14 @@ def _plan(args, model, runtime):
     if args.segments != "auto":
         return Plan.read(args.segments)
     from segback.planner import plan_segments
+    from segback.planner.measure import parse_measure
 
     return plan_segments(model, args.seq, args.batch, target_gb=args.target_gb,
                          attention=args.attention, lora_rank=args.lora_rank, tile=args.tile,
                          offload=args.offload,
                          light_tile=None if args.light_tile is None else int(args.light_tile),
-                         boundaries_on_device=args.boundaries_on_device, options=runtime)
+                         boundaries_on_device=args.boundaries_on_device, options=runtime,
+                         measure=parse_measure(args.measure))
 
 
 def run_worker(args) -> dict:
@@ -188,6 +194,8 @@ def run_worker(args) -> dict:
         if args.target_gb is not None:
             row["target_gb"], row["meets_target"] = args.target_gb, plan.meets_target
         row["segments"] = [list(r) for r in plan.segments]
+        if plan.inputs.get("measured"):
+            row["measured"] = plan.inputs["measured"]
         row.update(opts.to_dict())
         stats: dict = {}
 

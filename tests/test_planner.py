@@ -314,7 +314,41 @@ def test_measured_choice_falls_back_to_the_smallest_measured_peak():
     model = build_model("tiny-llama")
     model.freeze()
     plans = [Plan(segments=[(0, 4)]), Plan(segments=[(0, 1), (1, 2), (2, 3), (3, 4)])]
-    chosen, recs = measured_pick(model, plans, 1e-6, 64, 1, 4, limit=1)
+    chosen, recs = measured_pick(model, [(k, lambda p=p: p) for k, p in enumerate(plans)],
+                                 1e-6, 64, 1, 4, limit=1)
     assert len(recs) == 2  # nothing fit within the limit: it went on measuring
     assert not any(r["fits"] for r in recs)
     assert chosen is plans[min(recs, key=lambda r: r["peak_gb"])["index"]]
+
+
+def test_measured_choice_bisects_a_configuration_for_its_fastest_plan_within_the_target():
+    """Plans of one configuration get smaller along the cost model's order: over the target at
+    its fastest, the search times the smallest, then bisects, instead of timing every cut."""
+    from segback.engine.plan import Plan
+    from segback.planner.measure import MARGIN, measure_plan, measured_pick
+
+    model = build_model("tiny-llama")
+    model.freeze()
+    plans = [Plan(segments=[(0, 4)])] * 5 + [Plan(segments=[(0, 1), (1, 2), (2, 3), (3, 4)])] * 4
+    one, four = (measure_plan(model, plans[i], 64)["peak_gb"] for i in (0, -1))
+    assert four < one
+    target = (one + four) / 2 / (1 - MARGIN)  # what fits: a measured peak under target - 2%
+    chosen, recs = measured_pick(model, [("same", lambda p=p: p) for p in plans], target, 64,
+                                 1, 4, limit=1)
+    assert [r["index"] for r in recs] == [0, 8, 4, 6, 5]  # first, last, then halving
+    assert [r["fits"] for r in recs] == [False, True, False, True, True]
+    assert chosen is plans[5]
+
+
+def test_measure_auto_times_candidates_only_on_a_gpu_with_a_target():
+    from segback.planner.measure import AUTO_MEASURE, measure_count, parse_measure
+
+    gpu = mx.default_device() == mx.gpu
+    assert measure_count("auto", 8.0) == (AUTO_MEASURE if gpu else 0)
+    assert measure_count("auto", None) == 0 and measure_count(2, None) == 2
+    assert parse_measure(" Auto ") == "auto" and parse_measure("4") == 4
+    for bad in ("-1", "two"):
+        with pytest.raises(ValueError, match="auto or a whole number"):
+            parse_measure(bad)
+    plan = plan_segments("tiny-llama", 64, target_gb=1.0, measure="auto")  # the CPU: no timing
+    assert "measured" not in plan.inputs or gpu

@@ -101,6 +101,8 @@ def test_flags_override_the_config_file():
     (["--max-seq-length", "lots"], r"max_seq_length .* must be a number, not 'lots'"),
     (["--tile", "big"], r"tile must be a whole number, not 'big'"),
     (["--attention", "chunked", "--boundaries-on-device", "2"], r"needs offload=true"),
+    (["--measure-plan", "-2"], r"measure_plan \(--measure-plan\) -2: must be auto or >= 0"),
+    (["--measure-plan", "some"], r"measure_plan .* must be a number, not 'some'"),
     (["--weight-decay", "0.1"], None),  # Adam has none: refused when the optimizer is built
 ])
 def test_bad_values_are_refused_with_the_option_named(argv, message):
@@ -212,3 +214,9 @@ def test_workflow_train_rule_is_checked_against_the_declaration(tmp_path):
     assert cfg.steps_per_eval == train["val_every"]
     assert cfg.max_seq_length == 2048 and cfg.mask_prompt
     assert cfg.checkpoint_dir.endswith("train_work/checkpoints") and cfg.restart_on_change
+
+
+def test_measure_plan_takes_auto_or_a_count():
+    assert parse(["--model", "m", "--data", "d"]).measure_plan == "auto"
+    assert parse(["--model", "m", "--data", "d", "--measure-plan", "AUTO"]).measure_plan == "auto"
+    assert parse(["--model", "m", "--data", "d", "--measure-plan", "4"]).measure_plan == 4

@@ -9,6 +9,7 @@ from segback.engine import options as engine_options
 from segback.engine.options import EngineOptions, OptionsError
 from segback.engine.plan import PlanError
 from segback.planner.geometry import DTYPES
+from segback.planner.measure import parse_measure
 from segback.planner.plan import describe, plan_segments
 
 SEARCHED = ("attention", "tile", "offload", "light_tile", "boundaries_on_device")
@@ -26,11 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure a 1- and a 2-layer segment at two lengths and fit the "
                         "cost model (a geometry is built with random weights)")
-    parser.add_argument("--measure", type=int, default=0, metavar="N",
+    parser.add_argument("--measure", type=parse_measure, default="auto", metavar="N",
                         help="time N candidate plans (predicted to meet --target-gb, fastest "
                         "first; more while none measured within it) for one step each on the "
                         "real model and keep the fastest measured within the target (a geometry "
-                        "is built with random weights)")
+                        "is built with random weights); auto (default): 3 on a GPU with "
+                        "--target-gb, else 0 (the cost model alone)")
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lora-layers", "--num-layers", dest="lora_layers", type=int,
                         default=None, help="LoRA on the last N layers (default: all)")

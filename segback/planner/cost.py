@@ -48,6 +48,11 @@ HEAD_MAX_ELEMENTS = 1 << 26  # segback.engine.head.DEFAULT_MAX_ELEMENTS
 # Per-segment fixed cost (graph build, evals, boundary copies) as a fraction of a step; a rough
 # figure: at long L the recompute forward dominates and this barely moves the ratio.
 SEGMENT_OVERHEAD = 0.003
+# Per-tile fixed cost of the tiled engine (kernel launches, graph building and the host work of
+# each tile's layer passes), as that many tokens of those passes: a tile of T tokens costs like
+# T + TILE_OVERHEAD_TOKENS. Fitted to e4b steps at tiles 256-1024 on an H100 (bench/RESULTS.md);
+# without it the model ranks small tiles as fast as large ones.
+TILE_OVERHEAD_TOKENS = 768
 # Backward/forward FLOP ratios: a frozen linear only needs dX (1x), attention needs dQ, dK, dV
 # and dP (2x) and chunked attention also recomputes its probabilities (3x).
 BWD_LINEAR, BWD_ATTN_FUSED, BWD_ATTN_CHUNKED = 1.0, 2.0, 3.0
@@ -331,7 +336,8 @@ class CostModel:
         own (the post pass's Q/K/V projections feed nothing, so MLX never computes them); a
         layer's backward recomputes Q/K/V and the attention output, runs the post pass, its
         VJP, attention's VJP and the pre pass's VJP (which recomputes Q/K/V once more); and
-        each segment first recomputes the inputs of its layers above the first.
+        each segment first recomputes the inputs of its layers above the first; every tile adds
+        a fixed cost (TILE_OVERHEAD_TOKENS).
         """
         fwd, bwd, qkv = self._flops()
         rows = self.B * (self.L - 1)
@@ -342,4 +348,7 @@ class CostModel:
             return float(1.0 + fwd.sum() / base + SEGMENT_OVERHEAD * n_seg)
         vjp = fwd + bwd + qkv  # recompute + post/attention/pre VJPs + the pre-VJP's Q/K/V
         inner = sum(fwd[a:b - 1].sum() for a, b in segments)
-        return float((fwd.sum() + vjp.sum() + inner + head) / base + SEGMENT_OVERHEAD * n_seg)
+        tiles = -(-self.L // self.tile)
+        per_tile = (fwd.sum() + vjp.sum()) * TILE_OVERHEAD_TOKENS / (self.B * self.L)
+        return float((fwd.sum() + vjp.sum() + inner + head + tiles * per_tile) / base
+                     + SEGMENT_OVERHEAD * n_seg)

@@ -38,7 +38,7 @@ def plan_segments(
     light_tile: int | None = None,
     boundaries_on_device: int | str = "auto",
     options: EngineOptions | None = None,
-    measure: int = 0,
+    measure: int | str = 0,
 ) -> Plan:
     """Plan the segments of a segmented backward and the engine options that run them.
 
@@ -59,9 +59,13 @@ def plan_segments(
     (those predicted to meet the target, fastest predicted first; more while none measured
     within it) on the real model, one step each, and returns the fastest measured within the
     target (`segback.planner.measure`); the records are in the plan's `inputs.measured`.
+    `measure="auto"` times a few on a GPU when there is a target, none otherwise.
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
+    from segback.planner.measure import measure_count
+
+    measure = measure_count(measure, target_gb)
     runtime = options or EngineOptions()
     tile, offload, boundaries_on_device = search_space(tile, offload, light_tile,
                                                        boundaries_on_device)
@@ -82,6 +86,10 @@ def plan_segments(
         model_id = str(model_or_config if isinstance(model_or_config, str)
                        else config["model_type"])
         model_or_config = build_model(config, dtype=DTYPES[dtype], quantize_bits=quant_bits)
+        if quant_bits:  # as `segback.models.load` runs a quantized checkpoint for training
+            from segback.models.dequant_linear import use_dequantized_matmul
+
+            use_dequantized_matmul(model_or_config)
         model_or_config.freeze()  # calibration attaches LoRA to the layers it measures
     else:
         model_id = None
@@ -135,12 +143,15 @@ def plan_segments(
     if not candidates:  # nothing is predicted to fit: measure the planner's own choice
         return finish(*pick(options, target_gb))
     candidates.sort(key=lambda c: (c[0], c[1]))
-    plans = (_plan(cost, segs, True, True, f"{engine_label(cost.tile, cost.offload)}, "
-                   f"{len(segs)} segments", 1, geom, target_gb, boundaries_on_device, runtime,
-                   inputs)
-             for _, _, cost, segs in candidates)  # built only as they are measured
-    plan, records = measured_pick(model, plans, target_gb, seq_len, batch_size, lora_rank,
-                                  measure)
+
+    def build(cost, segs):  # plans are built only as they are measured
+        return lambda: _plan(cost, segs, True, True, f"{engine_label(cost.tile, cost.offload)}"
+                             f", {len(segs)} segments", 1, geom, target_gb, boundaries_on_device,
+                             runtime, inputs)
+
+    plan, records = measured_pick(model, [(id(cost), build(cost, segs))
+                                          for _, _, cost, segs in candidates],
+                                  target_gb, seq_len, batch_size, lora_rank, measure)
     rec = next(r for r in records if r["plan"] is plan)
     message = (f"measured {len(records)} of {len(candidates)} candidate plans: {plan.message}, "
                f"{rec['peak_gb']:.2f} GB measured, {rec['seconds']:.3f} s a step"

@@ -220,7 +220,7 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
         if cfg.target_gb is not None:
             raise ConfigError(f"--target-gb {cfg.target_gb} needs --plan auto (a given plan has "
                               "its own target: make it with `segback plan --target-gb`)")
-        if cfg.measure_plan:
+        if cfg.measure_plan not in (0, "auto"):
             raise ConfigError(f"--measure-plan {cfg.measure_plan} needs --plan auto (it times "
                               "the planner's candidates)")
     n = len(model.layers)

@@ -81,6 +81,7 @@ def batches(v: int) -> str | None:
 
 SCHEDULE = "schedule"  # lr_schedule: a name (cosine, constant) or mlx-lm's mapping
 PLAN = "plan"  # auto | FILE.json | layers per segment | [[start, stop], ...]
+MEASURE = "measure"  # auto | a count >= 0
 MAPPING = "mapping"
 STRINGS = "strings"
 SIZE = "size"  # bytes, or "2GB" as mlx-lm's --clear-cache-threshold
@@ -167,10 +168,11 @@ class TrainConfig:
     target_gb: float | None = option(None, float, "with --plan auto: the planner's memory "
                                      "target in GB (default: the plan of least peak memory)",
                                      check=positive, group="segback")
-    measure_plan: int = option(0, int, "with --plan auto: time N candidate plans for one step "
-                               "each on this model and train with the fastest measured within "
-                               "--target-gb (0: the cost model alone)", check=at_least(0),
-                               group="segback")
+    measure_plan: int | str = option("auto", MEASURE, "with --plan auto: time N candidate "
+                                     "plans for one step each on this model and train with the "
+                                     "fastest measured within --target-gb (0: the cost model "
+                                     "alone; auto: 3 on a GPU with --target-gb, else 0)",
+                                     group="segback")
     lora_rank: int | None = option(None, int, "LoRA rank (fills lora_parameters.rank; 8)",
                                    check=at_least(1), fills="lora_parameters.rank",
                                    group="segback")
@@ -360,6 +362,11 @@ def _convert(f: Any, v: Any) -> Any:
         v = dict(v)
     elif kind is PLAN:
         v = _plan(v, what)
+    elif kind is MEASURE:
+        v = "auto" if isinstance(v, str) and v.strip().lower() == "auto" else \
+            _number(v, int, what)
+        if v != "auto" and v < 0:
+            raise ConfigError(f"{what} {v!r}: must be auto or >= 0")
     elif kind is SCHEDULE:
         v = _schedule(v, what)
     choices = f.metadata["choices"]
