@@ -30,6 +30,8 @@ E4B = ("--model", "e4b", "--quant-bits", "4")
 # Segmented runs on CUDA: at most 4 ops per command buffer (mlx-cuda keeps a graph's buffers
 # alive until the graph has run, which at 4 ops stays small).
 SEG = ("--modes", "segmented", "--max-ops-per-buffer", "4")
+# Rows measured before the planner timed its candidates on the device: the cost model's pick.
+COST = ("--measure", "0")
 # The tiled engine as measured in bench/RESULTS.md: host-parked boundaries, compiled tile
 # functions (traces shared by layers of one structure and two tiles in flight are the defaults).
 TILED = (*SEG, "--offload", "--compile", "true")
@@ -45,6 +47,11 @@ class Config:
 
 def _e4b(seq: int, steps: int, *flags: str, timeout: int = 150) -> tuple[str, ...]:
     return (*E4B, "--seq", str(seq), "--steps", str(steps), *flags, "--timeout", str(timeout))
+
+
+def _cost(args: tuple[str, ...]) -> tuple[str, ...]:
+    """`args` with the planner's pick by its cost model alone (no timed candidates)."""
+    return (*args, *COST) if "segmented" in args else args
 
 
 def _cpu(model: str, seq: int, steps: int, *flags: str) -> tuple[str, ...]:
@@ -166,12 +173,39 @@ CONFIGS += [
            (_e4b(8192, 2, *SEG, "--segments", "auto", "--tile", "auto", "--offload", "auto",
                  "--target-gb", "7.6", *DQ, timeout=300),)),
 ]
+CONFIGS = [Config(c.name, c.machine, c.measures, tuple(_cost(a) for a in c.commands))
+           for c in CONFIGS]
+# The defaults a user gets (issue 19): `segback train --plan auto --target-gb G` on a 4-bit
+# model, i.e. dequantized matmuls and the planner timing 3 candidates on the device; mlx-lm's
+# checkpointed step as it ships beside each length (8191: at 8192 its logits are 2^31 elements).
+AUTO = (*SEG, "--segments", "auto", "--tile", "auto", "--offload", "auto",
+        "--dequant-matmul", "auto")
+CONFIGS += [
+    Config("defaults-dq", "h200",
+           "mlx-lm ckpt at 2K / 4K / 8191 against the planner's measured pick at G = 8 GB and "
+           "at G >= half of mlx-lm's peak (9.4 GB at 4K, 27 GB at 8K), dequantized matmuls",
+           (_e4b(2048, 2, "--modes", "ckpt", "--max-ops-per-buffer", "4"),
+            _e4b(2048, 2, *AUTO, "--target-gb", "8", timeout=300),
+            _e4b(4096, 2, "--modes", "ckpt", "--max-ops-per-buffer", "4"),
+            _e4b(4096, 2, *AUTO, "--target-gb", "8", timeout=300),
+            _e4b(4096, 2, *AUTO, "--target-gb", "9.4", timeout=300),
+            _e4b(8191, 2, "--modes", "ckpt", "--max-ops-per-buffer", "4"),
+            _e4b(8192, 2, *AUTO, "--target-gb", "8", timeout=300),
+            _e4b(8192, 2, *AUTO, "--target-gb", "27", timeout=300))),
+    Config("eqmem-2k-16", "h200",
+           "the 16 GB cell at 2K: mlx-lm ckpt batch 2 (16.0 GB) against segback batch 2 / 3 / "
+           "4 under a 16 GB target, the planner timing its candidates",
+           (_e4b(2048, 2, "--modes", "ckpt", "--max-ops-per-buffer", "4", "--batch", "2"),
+            *(_e4b(2048, 2, *SEG, "--segments", "auto", "--dequant-matmul", "auto", "--batch",
+                   b, "--target-gb", "16", timeout=300) for b in ("2", "3", "4")))),
+]
 BY_NAME = {c.name: c for c in CONFIGS}
 GROUPS = {
     "h200": [c.name for c in CONFIGS if c.machine == "h200" and not c.name.startswith(
-        ("untiled", "chunked", "eqmem", "auto-8k-dq"))],
+        ("untiled", "chunked", "eqmem", "auto-8k-dq", "defaults"))],
     "h200-untiled": [c.name for c in CONFIGS if c.name.startswith(("untiled", "chunked"))],
-    "h200-eqmem": ["eqmem-2k", "eqmem-8k", "auto-8k-dq"],
+    "h200-eqmem": ["eqmem-2k", "eqmem-8k", "auto-8k-dq", "eqmem-2k-16"],
+    "h200-defaults": ["defaults-dq"],
     "cpu": ["cpu-table", "cpu-chunked", "cpu-tiled", "cpu-e4b-slice"],
     "smoke": ["cpu-smoke", "cpu-smoke-tiled"],
 }

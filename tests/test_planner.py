@@ -352,3 +352,18 @@ def test_measure_auto_times_candidates_only_on_a_gpu_with_a_target():
             parse_measure(bad)
     plan = plan_segments("tiny-llama", 64, target_gb=1.0, measure="auto")  # the CPU: no timing
     assert "measured" not in plan.inputs or gpu
+
+
+def test_uncalibrated_coefficients_follow_the_device():
+    """On CUDA an untiled plan's activations count 1.6x (fitted on an H100); everywhere else,
+    and for tiled plans, the analytic sizes stand, so CPU plans are unchanged."""
+    from segback.planner.cost import CUDA_ACTIVATION, Coefficients, device_coefficients
+
+    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    assert device_coefficients(tiled=True) == Coefficients()
+    untiled = device_coefficients(tiled=False)
+    assert untiled == (Coefficients(activation=CUDA_ACTIVATION) if cuda else Coefficients())
+    given = plan_segments("e4b", 2048, quant_bits=4, target_gb=8, measure=0,
+                          coefficients=Coefficients())
+    default = plan_segments("e4b", 2048, quant_bits=4, target_gb=8, measure=0)
+    assert (default.predicted_peak_gb > given.predicted_peak_gb) == cuda

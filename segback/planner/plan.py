@@ -13,7 +13,7 @@ import mlx.nn as nn
 from segback.engine.options import EngineOptions
 from segback.engine.plan import Plan, segments_of
 from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
-from segback.planner.cost import Coefficients, CostModel
+from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
 from segback.planner.search import choose, most_kept, pick, search_space, tile_configs
 
@@ -106,7 +106,9 @@ def plan_segments(
     given = segments
     options = []  # (cost, segments, meets_target, meets_time, message) per configuration
     for att, t, off in configs:  # boundaries kept on the device are chosen after the cut
-        cost = CostModel(geom, seq_len, batch_size, att, coef, t, off,
+        given_coef = coefficients is not None or coef.calibrated
+        cost = CostModel(geom, seq_len, batch_size, att,
+                         coef if given_coef else device_coefficients(bool(t)), t, off,
                          light_tile if t else None, prefetch=runtime.prefetch and off)
         if given is None:
             options.append((cost, *choose(cost, target_gb, time_budget)))
