@@ -1,11 +1,12 @@
 """The planner's choice by measurement: time candidate plans on the real model, keep the fastest
 whose measured peak meets the target.
 
-The cost model ranks plans well but misjudges absolute peaks on some devices (it under-predicts
-untiled plans on CUDA by a quarter or more), so a plan it says fits may not. `measure=N` in
-`plan_segments` runs one warm-up and one timed step of the real engine for each candidate, in the
-cost model's order (fastest predicted first), on random tokens, with LoRA attached as training
-will; the measurements go into the plan.
+The cost model ranks plans well but its absolute peaks are device-dependent (untiled plans on
+CUDA measure above its analytic sizes; `cost.CUDA_ACTIVATION` corrects most of it, not all), so a
+plan it says fits may not. `measure=N` in `plan_segments` runs one warm-up and one timed step of
+the real engine for candidates in the cost model's order (fastest predicted first; each
+configuration's cuts bisected for the fastest that fits), on random tokens, with LoRA attached as
+training will; the measurements go into the plan.
 """
 
 from __future__ import annotations
