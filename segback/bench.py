@@ -43,6 +43,7 @@ from pathlib import Path
 
 from segback.engine import options as engine_options
 from segback.planner.cli import SEARCHED
+from segback.planner.measure import parse_measure
 
 MODES = ("full", "ckpt", "segmented")
 
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segments", default="auto",
                    help="auto (the planner), N layers per segment, or a plan JSON file")
     p.add_argument("--target-gb", type=float, default=None, help="planner memory target")
-    p.add_argument("--measure", default="auto", metavar="N",
+    p.add_argument("--measure", type=parse_measure, default="auto", metavar="N",
                    help="with --segments auto: time N candidate plans on the model first and "
                    "keep the fastest measured within --target-gb, as `segback plan --measure` "
                    "(auto, the default: 3 on a GPU with --target-gb, else 0)")
@@ -131,14 +132,13 @@ def _plan(args, model, runtime):
     if args.segments != "auto":
         return Plan.read(args.segments)
     from segback.planner import plan_segments
-    from segback.planner.measure import parse_measure
 
     return plan_segments(model, args.seq, args.batch, target_gb=args.target_gb,
                          attention=args.attention, lora_rank=args.lora_rank, tile=args.tile,
                          offload=args.offload,
                          light_tile=None if args.light_tile is None else int(args.light_tile),
                          boundaries_on_device=args.boundaries_on_device, options=runtime,
-                         measure=parse_measure(args.measure))
+                         measure=args.measure)
 
 
 def run_worker(args) -> dict:

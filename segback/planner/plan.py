@@ -105,10 +105,10 @@ def plan_segments(
                                 calibration_lengths)
     given = segments
     options = []  # (cost, segments, meets_target, meets_time, message) per configuration
+    given_coef = coefficients is not None or coef.calibrated
+    coefs = {tiled: coef if given_coef else device_coefficients(tiled) for tiled in (False, True)}
     for att, t, off in configs:  # boundaries kept on the device are chosen after the cut
-        given_coef = coefficients is not None or coef.calibrated
-        cost = CostModel(geom, seq_len, batch_size, att,
-                         coef if given_coef else device_coefficients(bool(t)), t, off,
+        cost = CostModel(geom, seq_len, batch_size, att, coefs[bool(t)], t, off,
                          light_tile if t else None, prefetch=runtime.prefetch and off)
         if given is None:
             options.append((cost, *choose(cost, target_gb, time_budget)))
