@@ -30,6 +30,7 @@ def test_shipped_configs_pass():
     (lambda c: c["train"].update(learning_rate="1e-3"), "write 1.0e-3"),
     (lambda c: c.update(seq=0), "`seq`: 0 is less than the minimum"),
     (lambda c: c.update(seq="2048"), "`seq`: '2048' is not of type 'integer'"),
+    (lambda c: c["train"].update(measure_plan="all"), "`train.measure_plan`: 'all' is not valid"),
     (lambda c: c["data"].update(min_sources=5, max_sources=2),
      "`data.min_sources` (5) is larger than `data.max_sources` (2)"),
 ])

@@ -209,6 +209,29 @@ def test_tiled_matches_mlx_lm(name, segments, tile, offload):
     assert (stats["host_gb"] > 0) == offload
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_untiled_with_the_table_on_the_host_matches_mlx_lm(bits):
+    """`host_table=True` parks Gemma-4's per-layer table in host memory for the untiled engine
+    too (the step gathers its rows there): the gradients stay mlx-lm's, the table leaves the
+    model's parameters and `stats` counts it as host memory."""
+    model = lora_model("tiny-e4b", quantize_bits=bits)
+    batch, lengths = batch_of(model.args.vocab_size)
+    (l0, n0), g0 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    size, stats = table_bytes(model), {}
+    (l1, n1), g1 = value_and_grad(model, batch, lengths, 2, host_table=True, stats=stats)
+    assert size > 0 and parked_bytes(model) == size and table_bytes(model) == 0
+    assert stats["host_gb"] == size / 1024**3
+    assert int(n1) == int(n0) and abs(float(l1) - float(l0)) <= TOL * abs(float(l0))
+    f0, f1 = dict(tree_flatten(g0)), dict(tree_flatten(g1))
+    assert f0.keys() == f1.keys()
+    for k in f0:
+        ref = float(mx.linalg.norm(f0[k]))
+        assert float(mx.linalg.norm(f1[k] - f0[k])) <= TOL * ref, k
+    kept = lora_model("tiny-e4b", quantize_bits=bits)
+    value_and_grad(kept, batch, lengths, 2, host_table=False)
+    assert parked_bytes(kept) == 0 and table_bytes(kept) == size
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-e4b"])
 @pytest.mark.parametrize("tile,light_tile,keep", [
     (16, 48, 0),   # light passes in 2 tiles (one ragged), the post VJP in 5

@@ -11,6 +11,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from segback.engine import memory, value_and_grad
 from segback.engine.attention import use_chunked_attention
+from segback.engine.options import EngineOptions
 from segback.engine.memory import GB
 from segback.models.geometry import build_model, geometry_config
 from segback.engine import Plan, PlanError
@@ -231,7 +232,14 @@ def test_tiling_plans_long_context_e4b_under_the_untiled_floor():
     moved = on_device.breakdown["weights"] - tiled.breakdown["weights"]
     assert moved * GB == 262144 * 42 * 256 * (4 / 8 + 2 * 2 / 64)
     assert tiled.predicted_relative_step_time > untiled.predicted_relative_step_time
+    # The untiled engine parks it too when asked (on CUDA by default): same weights as offload.
+    parked = plan_segments("e4b", 131072, quant_bits=4, attention="chunked",
+                           options=EngineOptions(host_table=True))
+    assert parked.breakdown["weights"] == tiled.breakdown["weights"]
+    assert parked.predicted_host_gb * GB == moved * GB
+    assert parked.engine.host_table is True and untiled.engine.host_table is None
     validate(tiled)
+    validate(parked)
     auto = plan_segments("e4b", 131072, quant_bits=4, tile="auto", offload="auto", target_gb=24)
     assert auto.meets_target and auto.engine.tile and auto.predicted_peak_gb <= 24
     assert auto.inputs["tile"] == "auto"

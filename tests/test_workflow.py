@@ -154,6 +154,18 @@ def test_e4b_gpu_dry_run_passes_quantization_and_prefill(tmp_path):
     assert "--ref e4b " in out and "--quant-bits 4 " in out
     assert out.count("--prefill-step-size 2048") == 2
     assert "--target-gb 10 " in out and "--tile auto" in out and "--offload auto" in out
+    assert "--measure auto " in out  # train.measure_plan: the planner times candidates there
+
+
+def test_measure_plan_reaches_the_planner(tmp_path):
+    """train.measure_plan is `segback plan --measure`; a config without it (smoke.yaml) gets
+    auto, the planner's own default."""
+    out = snakemake(tmp_path, "-n", "-p", "--cores", "1", "--configfile", str(SMOKE)).stdout
+    assert "--measure auto " in out, out[-3000:]
+    over = write_yaml(tmp_path / "over.yaml", {"train": {"measure_plan": 0}})
+    out = snakemake(tmp_path, "-n", "-p", "--cores", "1", "--configfile", str(SMOKE),
+                    str(over)).stdout
+    assert "--measure 0 " in out and "--measure auto" not in out, out[-3000:]
 
 
 def test_quant_bits_is_for_random_models(tmp_path):

@@ -40,6 +40,10 @@ class EngineOptions:
     offload: bool = field(default=False, metadata=_help(
         "park segment boundaries and per-layer inputs in host memory (tiled engine only)",
         kind="bool"))
+    host_table: bool | None = field(default=None, metadata=_help(
+        "keep Gemma-4's per-layer embedding table in host memory and gather each step's rows "
+        "there; none = with offload or on a CUDA GPU (whose memory it would take)",
+        kind="bool"))
     boundaries_on_device: int = field(default=0, metadata=_help(
         "with offload: the boundaries of the last N segments stay on the device (no copies "
         "for them)", kind="count"))
@@ -113,11 +117,21 @@ class EngineOptions:
 
     def resolved(self) -> EngineOptions:
         """The device's defaults in place of None (compile on the CPU, shared traces on the
-        GPU): what a step on this machine runs."""
+        GPU, the per-layer table in host memory with offload or on CUDA): what a step on this
+        machine runs."""
         gpu = mx.default_device() == mx.gpu
         return replace(self,
                        compile=(not gpu) if self.compile is None else self.compile,
-                       share_traces=gpu if self.share_traces is None else self.share_traces)
+                       share_traces=gpu if self.share_traces is None else self.share_traces,
+                       host_table=table_on_host(self.host_table, self.offload))
+
+
+def table_on_host(host_table: bool | None, offload: bool) -> bool:
+    """Whether a step parks the per-layer table: as asked, else with offload or where the
+    default device has memory of its own (CUDA), the only place parking frees any."""
+    if host_table is not None:
+        return host_table
+    return offload or (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
 def parse_value(f: Any, v: Any) -> Any:

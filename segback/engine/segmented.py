@@ -95,14 +95,19 @@ def value_and_grad(
     """
     stack = get_stack(model)
     segs, opts = resolve(stack, batch, plan, options, overrides)
+    if opts.host_table:  # once per model: later calls find the table parked already
+        park_tables(model)
     if is_packed(lengths) and opts.tile:
         raise ValueError("a packed batch (several examples per row) needs the untiled engine: "
                          "the tiled engine builds no block-diagonal masks; run it without "
                          "tile (a plan without tiles), or without packing")
+    if opts.tile:
+        with use_chunked_attention([stack.module]):
+            return _value_and_grad_tiled(model, stack, batch, lengths, segs, opts, stats)
+    if stats is not None:
+        stats["host_gb"] = parked_bytes(model) / 1024**3
     if opts.attention == "chunked":
         with use_chunked_attention([stack.module]):
-            if opts.tile:
-                return _value_and_grad_tiled(model, stack, batch, lengths, segs, opts, stats)
             return _value_and_grad(model, stack, batch, lengths, segs, opts, chunked=True)
     return _value_and_grad(model, stack, batch, lengths, segs, opts)
 
@@ -231,8 +236,6 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
     A segment [a, b) keeps only its input boundary; its backward recomputes the boundaries
     inside it, then walks its layers in reverse, each layer's VJP tile by tile.
     """
-    if opts.offload:  # once per model: later calls find the table parked already
-        park_tables(model)
     per_layer, outer = _split_trainable(model, stack)
     lengths_np = np.array(lengths).reshape(-1, 2)
     inputs = batch[:, :-1]

@@ -3,8 +3,8 @@
 Peak memory of one training step (segback.engine.value_and_grad + AdamW) is modelled as a
 sequence of events, each adding its transient to what is alive at that moment:
 
-    resting   = weights + LoRA params, grads and AdamW state (float32, 2x); with offload
-                less Gemma-4's per-layer embedding table (host memory)
+    resting   = weights + LoRA params, grads and AdamW state (float32, 2x); less Gemma-4's
+                per-layer embedding table when it is parked in host memory (host_table)
     constants = per-layer inputs (Gemma-4) + materialized [L, L] masks + saved donor K/V
     embed     = prologue: building h0 and the per-layer inputs
     head      = every hidden boundary + the final hidden + dh + one chunk of logits
@@ -108,7 +108,7 @@ class CostModel:
                  attention: str = "fused", coef: Coefficients | None = None,
                  tile: int | None = None, offload: bool = False,
                  light_tile: int | None = None, boundaries_on_device: int = 0,
-                 prefetch: bool = False):
+                 prefetch: bool = False, host_table: bool | None = None):
         if attention not in ("fused", "chunked"):
             raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
         if tile is not None and tile < 1:
@@ -124,6 +124,8 @@ class CostModel:
         self.light = min(int(light_tile or tile), seq_len) if tile else None
         self.boundaries_on_device = int(boundaries_on_device)
         self.prefetch = self.offload and prefetch
+        # Gemma-4's per-layer table in host memory (EngineOptions.host_table; None: with offload)
+        self.host_table = self.offload if host_table is None else bool(host_table)
         self.coef = coef or Coefficients()
         s, L, B = geom.dtype_bytes, seq_len, batch_size
         self.hidden_bytes = B * L * geom.hidden * s  # one [B, L, hidden] boundary
@@ -262,18 +264,18 @@ class CostModel:
         return n_segments if not self.offload else min(self.boundaries_on_device, n_segments)
 
     def host_bytes(self, n_segments: int) -> float:
-        """Host memory of an offloaded step: one boundary per parked segment, the per-layer
-        inputs and the per-layer embedding table."""
+        """Host memory of the step: the per-layer embedding table if parked, and offloaded, one
+        boundary per parked segment and the per-layer inputs."""
+        table = float(self.g.table_bytes if self.host_table else 0)
         if not self.offload:
-            return 0.0
+            return table
         parked = n_segments - self.kept(n_segments)
-        return float(parked * self.hidden_bytes + self.per_layer_input_bytes()
-                     + self.g.table_bytes)
+        return float(parked * self.hidden_bytes + self.per_layer_input_bytes()) + table
 
     def resting(self) -> tuple[float, float]:
-        """(weights incl. LoRA factors, LoRA grads + AdamW's two float32 moments); offload
-        keeps the per-layer embedding table in host memory."""
-        weights = self.g.weight_bytes - (self.g.table_bytes if self.offload else 0)
+        """(weights incl. LoRA factors, LoRA grads + AdamW's two float32 moments), less the
+        per-layer embedding table when it is parked in host memory."""
+        weights = self.g.weight_bytes - (self.g.table_bytes if self.host_table else 0)
         return float(weights), float(self.g.lora_params * 4 * 3)
 
     def saved_donors(self, segments: Sequence[tuple[int, int]]) -> dict[int, list[int]]:

@@ -24,6 +24,7 @@ rule plan_segments:
         ),
         target_gb=opt("--target-gb", TRAIN["target_gb"]),
         time_budget=opt("--time-budget", TRAIN["time_budget"]),
+        measure=TRAIN.get("measure_plan", "auto"),  # "auto" or a count >= 0; absent: auto
         attention=TRAIN["attention"],
         tile=opt("--tile", TRAIN["tile"]),
         offload=opt("--offload", TRAIN["offload"] or None),
@@ -38,8 +39,8 @@ rule plan_segments:
     shell:
         "segback plan --model {input.model} --seq {params.seq} --batch {params.batch}"
         " --lora-rank {params.lora_rank} {params.lora_layers} {params.target_gb}"
-        " {params.time_budget} --attention {params.attention} {params.tile} {params.offload}"
-        " --out {output} > {log} 2>&1"
+        " {params.time_budget} --measure {params.measure} --attention {params.attention}"
+        " {params.tile} {params.offload} --out {output} > {log} 2>&1"
 
 
 rule train_lora:
