@@ -198,6 +198,13 @@ CONFIGS += [
            (_e4b(2048, 2, "--modes", "ckpt", "--max-ops-per-buffer", "4", "--batch", "2"),
             *(_e4b(2048, 2, *SEG, "--segments", "auto", "--dequant-matmul", "auto", "--batch",
                    b, "--target-gb", "16", timeout=300) for b in ("2", "3", "4")))),
+    Config("planner-long", "h200",
+           "the planner's predicted peak against the measured one at 16K-128K with the defaults "
+           "(--tile auto --offload auto, the cost model's pick: --measure 0)",
+           (_e4b(16384, 1, *AUTO, "--measure", "0", "--target-gb", "10", timeout=300),
+            _e4b(32768, 1, *AUTO, "--measure", "0", "--target-gb", "12", timeout=300),
+            _e4b(65536, 0, *AUTO, "--measure", "0", "--target-gb", "16", timeout=400),
+            _e4b(131072, 0, *AUTO, "--measure", "0", "--target-gb", "24", timeout=900))),
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
 GROUPS = {
@@ -205,7 +212,7 @@ GROUPS = {
         ("untiled", "chunked", "eqmem", "auto-8k-dq", "defaults"))],
     "h200-untiled": [c.name for c in CONFIGS if c.name.startswith(("untiled", "chunked"))],
     "h200-eqmem": ["eqmem-2k", "eqmem-8k", "auto-8k-dq", "eqmem-2k-16"],
-    "h200-defaults": ["defaults-dq"],
+    "h200-defaults": ["defaults-dq", "planner-long"],
     "cpu": ["cpu-table", "cpu-chunked", "cpu-tiled", "cpu-e4b-slice"],
     "smoke": ["cpu-smoke", "cpu-smoke-tiled"],
 }

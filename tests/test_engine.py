@@ -209,6 +209,52 @@ def test_tiled_matches_mlx_lm(name, segments, tile, offload):
     assert (stats["host_gb"] > 0) == offload
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-e4b"])
+@pytest.mark.parametrize("segments,chunk", [(1, 16), (None, 23), (2, 128)])
+def test_mlp_chunks_match_mlx_lm(name, segments, chunk):
+    """`mlp_chunk`: each MLP keeps only its input and output and its VJP recomputes it a chunk
+    of tokens at a time (ragged last chunk; one chunk when it covers the sequence)."""
+    model = lora_model(name)
+    batch, lengths = batch_of(model.args.vocab_size, T=70)
+    (l0, n0), g0 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    (l1, n1), g1 = value_and_grad(model, batch, lengths, segments, mlp_chunk=chunk)
+    assert int(n1) == int(n0) and abs(float(l1) - float(l0)) <= TOL * abs(float(l0))
+    assert_as_exact_as_mlx_lm(model, g0, g1, batch, lengths)
+    assert type(model.layers[0].mlp).__module__.startswith("mlx_lm")  # swapped back
+
+
+def test_mlp_chunks_replay_lora_dropout_in_the_recompute():
+    """With LoRA dropout each chunk draws its masks from a seed of (step, layer, chunk), in the
+    forward and in the recompute alike: the gradient is the derivative of the loss the step
+    reports (central difference along a random direction, the step's seed fixed)."""
+    model = build_model("tiny-llama")
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.5})
+    mx.random.seed(1)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05,
+                          model.trainable_parameters()))
+    batch, lengths = batch_of(model.args.vocab_size, T=70)
+    params = model.trainable_parameters()
+    direction = tree_map(lambda p: mx.random.normal(p.shape), params)
+
+    def step(scale):
+        model.update(tree_map(lambda p, d: p + scale * d, params, direction))
+        mx.random.seed(7)
+        return value_and_grad(model, batch, lengths, 2, mlp_chunk=16)
+
+    (loss, _), grads = step(0.0)
+    eps = 1e-3
+    (up, _), _ = step(eps)
+    (down, _), _ = step(-eps)
+    model.update(params)
+    slope = sum(float((g * d).sum()) for (_, g), (_, d) in
+                zip(tree_flatten(grads), tree_flatten(direction)))
+    assert abs((float(up) - float(down)) / (2 * eps) - slope) <= 2e-2 * abs(slope)
+    mx.random.seed(7)
+    (again, _), _ = value_and_grad(model, batch, lengths, 2, mlp_chunk=None)
+    assert float(again) != float(loss)  # dropout is on: the chunked masks are their own
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_untiled_with_the_table_on_the_host_matches_mlx_lm(bits):
     """`host_table=True` parks Gemma-4's per-layer table in host memory for the untiled engine
@@ -305,6 +351,10 @@ def test_light_tile_and_keep_need_their_engine():
         value_and_grad(model, batch, lengths, 1, light_tile=8)
     with pytest.raises(ValueError, match="boundaries_on_device=1 .* needs offload"):
         value_and_grad(model, batch, lengths, 1, tile=8, boundaries_on_device=1)
+    with pytest.raises(ValueError, match="mlp_chunk is for the untiled engine"):
+        value_and_grad(model, batch, lengths, 1, tile=8, mlp_chunk=8)
+    with pytest.raises(ValueError, match="mlp_chunk must be a positive number of tokens"):
+        value_and_grad(model, batch, lengths, 1, mlp_chunk=0)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-e4b"])

@@ -74,6 +74,12 @@ def test_tiled_and_chunked_recompute():
     expect = 4 * fwd + qkv + 2 * fwd + 4 * attn
     assert tiled["recompute"] == pytest.approx(expect, rel=1e-12)
     assert tiled["useful"] == base["useful"]
+    # chunked MLPs: gate, up and down (with their LoRA) once more per layer
+    c = GEOMETRIES["tiny-llama"]
+    d, inter = c["hidden_size"], c["intermediate_size"]
+    mlp = sum(2 * i * o + 2 * RANK * (i + o) for i, o in [(d, inter), (d, inter), (inter, d)])
+    chunks = step_flops(g, L, 1, "segmented", Plan([(0, 4)], EngineOptions(mlp_chunk=16)))
+    assert chunks["recompute"] - base["recompute"] == pytest.approx(4 * mlp * L, rel=1e-12)
 
 
 def test_loss_tokens_and_lora_layers():

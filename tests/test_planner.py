@@ -219,6 +219,47 @@ def test_tiled_prediction_matches_engine(name, tile, offload, segments):
                                                                          measured)
 
 
+@pytest.mark.parametrize("name", ["dense", "tiny-e4b"])
+def test_mlp_chunks_lower_the_measured_peak_as_predicted(name):
+    """Untiled plans with `mlp_chunk`: the engine's peak drops, and the uncalibrated model
+    predicts both within 20%."""
+    model = lora_model(CALIBRATED[name])
+    grads = read_geometry(model).lora_params * 4
+    for seq_len in (1024, 2048):
+        measured = {}
+        for chunk in (None, 256):
+            plan = plan_segments(model, seq_len, segments=1,
+                                 options=EngineOptions(mlp_chunk=chunk))
+            validate(plan)
+            assert plan.engine.mlp_chunk == chunk and plan.engine.tile is None
+            bd = plan.breakdown
+            predicted = (plan.predicted_peak_gb - bd["weights"] - bd["lora_optimizer"]) * GB
+            measured[chunk] = measured_step_bytes(model, seq_len, plan)
+            assert abs(predicted + grads - measured[chunk]) <= 0.2 * measured[chunk], \
+                (seq_len, chunk, predicted + grads, measured[chunk])
+        assert measured[256] < 0.95 * measured[None], (seq_len, measured)
+
+
+def test_tile_auto_weighs_mlp_chunks_between_untiled_and_tiles():
+    """e4b at 4K, 4-bit, the table parked, activations as counted on CUDA: whole MLPs do not
+    fit 8 GB, chunked ones do and are predicted faster than any tile; with room, whole MLPs
+    (no recompute) win; a tile and an MLP chunk together are refused."""
+    coef = {"activation": 1.6}
+    options = EngineOptions(host_table=True)
+    tight = plan_segments("e4b", 4096, quant_bits=4, tile="auto", offload="auto", target_gb=8,
+                          coefficients=coef, options=options)
+    assert tight.meets_target and tight.engine.tile is None and tight.engine.mlp_chunk == 1024
+    whole = plan_segments("e4b", 4096, quant_bits=4, target_gb=8, coefficients=coef,
+                          options=options)
+    assert not whole.meets_target
+    roomy = plan_segments("e4b", 4096, quant_bits=4, tile="auto", offload="auto", target_gb=12,
+                          coefficients=coef, options=options)
+    assert roomy.engine.tile is None and roomy.engine.mlp_chunk is None
+    assert roomy.predicted_relative_step_time < tight.predicted_relative_step_time
+    with pytest.raises(ValueError, match="mlp_chunk is for untiled plans"):
+        plan_segments("e4b", 4096, quant_bits=4, tile=1024, options=EngineOptions(mlp_chunk=512))
+
+
 def test_tiling_plans_long_context_e4b_under_the_untiled_floor():
     """e4b at 128K: the untiled (chunked) floor is ~90 GB; tiles with host-parked boundaries
     bring the plan under 24 GB, and `tile="auto"` picks the fastest configuration meeting a

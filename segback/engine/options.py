@@ -37,6 +37,9 @@ class EngineOptions:
     light_tile: int | None = field(default=None, metadata=_help(
         "tile of the tiled passes that hold no MLP cotangents (pre pass, its VJP, forward "
         "post pass); none = the tile", kind="tokens"))
+    mlp_chunk: int | None = field(default=None, metadata=_help(
+        "untiled engine: each layer's MLP keeps only its input and output, and its backward "
+        "recomputes it this many tokens at a time; none = kept whole", kind="tokens"))
     offload: bool = field(default=False, metadata=_help(
         "park segment boundaries and per-layer inputs in host memory (tiled engine only)",
         kind="bool"))
@@ -64,7 +67,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise OptionsError(f"attention must be one of {ATTENTION}, not {self.attention!r}")
-        for name in ("tile", "light_tile"):
+        for name in ("tile", "light_tile", "mlp_chunk"):
             v = getattr(self, name)
             if v is not None and not (type(v) is int and v >= 1):
                 raise OptionsError(f"{name} must be a positive number of tokens or none, "
@@ -82,6 +85,9 @@ class EngineOptions:
         if self.light_tile is not None and not self.tile:
             raise OptionsError("light_tile needs a tile size (tile=...): it is part of the "
                                "tiled engine")
+        if self.mlp_chunk is not None and self.tile:
+            raise OptionsError("mlp_chunk is for the untiled engine: the tiled engine runs its "
+                               "MLPs a tile at a time already; drop one of them")
         if self.offload and not self.tile:
             raise OptionsError("offload needs a tile size (tile=...): it is part of the tiled "
                                "engine")

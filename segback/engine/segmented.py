@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from segback.engine.attention import use_chunked_attention
 from segback.engine.head import head_vjp
 from segback.engine.host_table import park_tables, parked_bytes
+from segback.engine.mlp_chunks import use_mlp_chunks
 from segback.engine.offload import HostStore
 from segback.engine.options import EngineOptions
 from segback.engine.packing import Packed, is_packed
@@ -106,21 +107,24 @@ def value_and_grad(
             return _value_and_grad_tiled(model, stack, batch, lengths, segs, opts, stats)
     if stats is not None:
         stats["host_gb"] = parked_bytes(model) / 1024**3
-    if opts.attention == "chunked":
-        with use_chunked_attention([stack.module]):
-            return _value_and_grad(model, stack, batch, lengths, segs, opts, chunked=True)
-    return _value_and_grad(model, stack, batch, lengths, segs, opts)
+    chunked = opts.attention == "chunked"
+    with use_chunked_attention([stack.module] if chunked else []):
+        return _value_and_grad(model, stack, batch, lengths, segs, opts, chunked=chunked)
 
 
 def _value_and_grad(model, stack, batch, lengths, segs, opts: EngineOptions, chunked=False):
+    # Dropout in LoRA layers draws random masks: replay the same stream in each recompute.
+    seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
+    with use_mlp_chunks(stack.layers, opts.mlp_chunk, seed):
+        return _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed)
+
+
+def _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed):
     per_layer, outer = _split_trainable(model, stack)
     packed = is_packed(lengths)
     lengths_np = lengths if packed else np.array(lengths).reshape(-1, 2)
     inputs = batch[:, :-1]
     need_input_grad = bool(outer)  # embedding-side params are trainable: thread dh back
-
-    # Dropout in LoRA layers draws random masks: replay the same stream in each recompute.
-    seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
 
     outer_keys = list(outer)
     bind_outer = _binder(model, outer_keys)

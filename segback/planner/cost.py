@@ -108,13 +108,16 @@ class CostModel:
                  attention: str = "fused", coef: Coefficients | None = None,
                  tile: int | None = None, offload: bool = False,
                  light_tile: int | None = None, boundaries_on_device: int = 0,
-                 prefetch: bool = False, host_table: bool | None = None):
+                 prefetch: bool = False, host_table: bool | None = None,
+                 mlp_chunk: int | None = None):
         if attention not in ("fused", "chunked"):
             raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
         if tile is not None and tile < 1:
             raise ValueError(f"tile must be a positive number of tokens, not {tile}")
         if offload and not tile:
             raise ValueError("offload needs a tile size: it is part of the tiled engine")
+        if mlp_chunk is not None and (tile or mlp_chunk < 1):
+            raise ValueError("mlp_chunk is a positive number of tokens, for untiled plans only")
         if (light_tile and not tile) or (boundaries_on_device and not offload):
             raise ValueError("light_tile needs a tile size and boundaries_on_device needs offload")
         if tile:
@@ -124,6 +127,7 @@ class CostModel:
         self.light = min(int(light_tile or tile), seq_len) if tile else None
         self.boundaries_on_device = int(boundaries_on_device)
         self.prefetch = self.offload and prefetch
+        self.mlp_chunk = min(int(mlp_chunk), seq_len) if mlp_chunk else None
         # Gemma-4's per-layer table in host memory (EngineOptions.host_table; None: with offload)
         self.host_table = self.offload if host_table is None else bool(host_table)
         self.coef = coef or Coefficients()
@@ -133,6 +137,12 @@ class CostModel:
         if self.tile:
             self.act = np.array([self._tiled_layer(g) for g in layers], float)
             self.bwd = np.zeros(len(layers))
+        elif self.mlp_chunk:  # the MLP keeps nothing; its VJP holds one chunk's of both
+            c = self.mlp_chunk
+            self.act = np.array([B * (L * (g.act_elems - 4 * g.inter)) * s for g in layers],
+                                float)
+            self.bwd = np.array([B * (L * (g.bwd_elems - 4 * g.inter) + c * 8 * g.inter) * s
+                                 for g in layers], float)
         else:
             self.act = np.array([B * L * g.act_elems * s for g in layers], float)
             self.bwd = np.array([B * L * g.bwd_elems * s for g in layers], float)
@@ -361,8 +371,11 @@ class CostModel:
         head = 2.0 * self.g.hidden * self.g.vocab * rows * 3  # forward + dX
         base = fwd.sum() + bwd.sum() + head
         n_seg = len(segments)
-        if not self.tile:
-            return float(1.0 + fwd.sum() / base + SEGMENT_OVERHEAD * n_seg)
+        if not self.tile:  # chunked MLPs run their forward once more, in their VJP
+            again = sum(g.mlp_flops for g in self.g.layers) * self.B * self.L \
+                if self.mlp_chunk else 0.0
+            chunks = -(-self.L // self.mlp_chunk) if self.mlp_chunk else 0
+            return float(1.0 + (fwd.sum() + again) / base + SEGMENT_OVERHEAD * (n_seg + chunks))
         vjp = fwd + bwd + qkv  # recompute + post/attention/pre VJPs + the pre-VJP's Q/K/V
         inner = sum(fwd[a:b - 1].sum() for a, b in segments)
         tiles = -(-self.L // self.tile)

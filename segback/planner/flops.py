@@ -33,7 +33,8 @@ sequence and `batch` sequences. Counting rules:
   (segments below the lowest LoRA layer are skipped by the engine); tiled (`plan.engine.tile`):
   each layer's backward recomputes its forward and its Q/K/V projections once more (the pre
   pass's VJP), and each segment first recomputes the boundaries inside it (the forward of all
-  its layers but the last).
+  its layers but the last); untiled with `plan.engine.mlp_chunk`, every MLP's forward once more
+  (its VJP recomputes it chunk by chunk).
 
 `total` = forward + backward + recompute; `flops_per_token` = total / (batch · seq_len), so
 flops_per_token × tokens/s is the FLOP rate a step sustains (recompute included: hardware FLOPs,
@@ -121,6 +122,8 @@ def step_flops(geom: Geometry, seq_len: int, batch: int = 1, mode: str = "segmen
         if tile:
             recompute += sum(per[i]["qkv"] for a, b in run for i in range(a, b))
             recompute += sum(sum(fwd[a:b - 1]) for a, b in run)
+        elif getattr(getattr(plan, "engine", None), "mlp_chunk", None):  # MLPs run once more
+            recompute += sum(geom.layers[i].mlp_flops for a, b in run for i in range(a, b))
         if chunked:
             recompute += sum((BWD_ATTN_CHUNKED - BWD_ATTN_FUSED) * p["attention"]
                              for p in per[first:])

@@ -40,6 +40,8 @@ class LayerGeom:
     q_width: int = 0  # query projection width (heads x head_dim)
     kv_own: int = 0  # width of this layer's own K (= V) projection; 0 for a KV sharer
     qkv_flops: float = 0.0  # forward FLOPs per token of the q/k/v projections (incl. LoRA)
+    inter: int = 0  # MLP intermediate width (gate/up outputs)
+    mlp_flops: float = 0.0  # forward FLOPs per token of the MLP's linears (incl. LoRA)
 
 
 @dataclass
@@ -206,6 +208,9 @@ def read_geometry(
             q_width=q_widths[i],
             kv_own=own_kv.get(i, 0),
             qkv_flops=2.0 * sum(a * b + (lora_rank * (a + b) if lora else 0) for a, b, _ in qkv),
+            inter=inter,
+            mlp_flops=2.0 * sum(a * b + (lora_rank * (a + b) if lora else 0)
+                                for a, b, _ in mlp_dims.values()),
         ))
 
     all_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

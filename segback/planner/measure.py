@@ -107,11 +107,13 @@ def measured_pick(model: nn.Module, candidates: Sequence[tuple[Hashable, Callabl
             measured[i] = rec = {
                 "index": i, "plan": plan, "segments": len(plan.segments),
                 "tile": plan.engine.tile, "offload": plan.engine.offload,
+                "mlp_chunk": plan.engine.mlp_chunk,
                 "predicted_gb": round(plan.predicted_peak_gb, 3),
                 "peak_gb": round(r["peak_gb"], 3), "seconds": round(r["seconds"], 4),
                 "fits": target_gb is None or r["peak_gb"] <= target_gb * (1 - MARGIN)}
             records.append(rec)
-            print(f"segback plan: measured {engine_label(plan.engine.tile, plan.engine.offload)},"
+            label = engine_label(plan.engine.tile, plan.engine.offload, plan.engine.mlp_chunk)
+            print(f"segback plan: measured {label},"
                   f" {len(plan.segments)} segments: {r['peak_gb']:.2f} GB (predicted "
                   f"{plan.predicted_peak_gb:.2f}), {r['seconds']:.3f} s a step", flush=True)
         return measured[i]["fits"]

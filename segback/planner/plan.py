@@ -69,7 +69,10 @@ def plan_segments(
     runtime = options or EngineOptions()
     tile, offload, boundaries_on_device = search_space(tile, offload, light_tile,
                                                        boundaries_on_device)
-    configs = tile_configs(seq_len, attention, tile, offload)
+    runtime_chunk = runtime.mlp_chunk
+    if runtime_chunk and tile not in (None, "auto"):
+        raise ValueError("mlp_chunk is for untiled plans: drop it, or --tile")
+    configs = tile_configs(seq_len, attention, tile, offload, runtime_chunk)
     if measure and not isinstance(model_or_config, (nn.Module, dict)) \
             and Path(model_or_config).is_dir():  # time it as training loads it
         from segback.models.load import load
@@ -99,7 +102,7 @@ def plan_segments(
     coef = Coefficients(**coefficients) if isinstance(coefficients, dict) else \
         coefficients or Coefficients()
     if calibrate:
-        kinds = {att for att, _, _ in configs}  # measure the attention the plan will run
+        kinds = {att for att, *_ in configs}  # measure the attention the plan will run
         coef = fit_coefficients(model, geom, batch_size, lora_rank,
                                 kinds.pop() if len(kinds) == 1 else attention,
                                 calibration_lengths)
@@ -107,10 +110,10 @@ def plan_segments(
     options = []  # (cost, segments, meets_target, meets_time, message) per configuration
     given_coef = coefficients is not None or coef.calibrated
     coefs = {tiled: coef if given_coef else device_coefficients(tiled) for tiled in (False, True)}
-    for att, t, off in configs:  # boundaries kept on the device are chosen after the cut
+    for att, t, off, chunk in configs:  # boundaries on the device are chosen after the cut
         cost = CostModel(geom, seq_len, batch_size, att, coefs[bool(t)], t, off,
                          light_tile if t else None, prefetch=runtime.prefetch and off,
-                         host_table=table_on_host(runtime.host_table, off))
+                         host_table=table_on_host(runtime.host_table, off), mlp_chunk=chunk)
         if given is None:
             options.append((cost, *choose(cost, target_gb, time_budget)))
             continue
@@ -148,9 +151,9 @@ def plan_segments(
     candidates.sort(key=lambda c: (c[0], c[1]))
 
     def build(cost, segs):  # plans are built only as they are measured
-        return lambda: _plan(cost, segs, True, True, f"{engine_label(cost.tile, cost.offload)}"
-                             f", {len(segs)} segments", 1, geom, target_gb, boundaries_on_device,
-                             runtime, inputs)
+        label = engine_label(cost.tile, cost.offload, cost.mlp_chunk)
+        return lambda: _plan(cost, segs, True, True, f"{label}, {len(segs)} segments", 1, geom,
+                             target_gb, boundaries_on_device, runtime, inputs)
 
     plan, records = measured_pick(model, [(id(cost), build(cost, segs))
                                           for _, _, cost, segs in candidates],
@@ -165,9 +168,12 @@ def plan_segments(
                        {k: v for k, v in r.items() if k != "plan"} for r in records]})
 
 
-def engine_label(tile: int | None, offload: bool) -> str:
-    """"untiled", "tile 2048" or "tile 2048, offload": how a plan runs its layers."""
-    return f"tile {tile}" + (", offload" if offload else "") if tile else "untiled"
+def engine_label(tile: int | None, offload: bool, mlp_chunk: int | None = None) -> str:
+    """"untiled", "untiled, MLP chunks of 1024", "tile 2048" or "tile 2048, offload": how a
+    plan runs its layers."""
+    if tile:
+        return f"tile {tile}" + (", offload" if offload else "")
+    return "untiled" + (f", MLP chunks of {mlp_chunk}" if mlp_chunk else "")
 
 
 def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, target_gb,
@@ -182,16 +188,17 @@ def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, ta
     if cost.offload and cost.boundaries_on_device:
         message += f"; the last {cost.kept(len(segments))} boundaries stay on the device"
     if n_options > 1:
-        message = (f"{engine_label(cost.tile, cost.offload)} (best of {n_options} "
+        message = (f"{engine_label(cost.tile, cost.offload, cost.mlp_chunk)} (best of {n_options} "
                    f"configurations): {message}")
     ev = cost.evaluate(segments)
     sharers = geom.sharers()
     saved_kv = [dict(donor=d, kind=geom.layers[d].kind, read_by_segments=ks,
                      sharer_layers=sharers[d], gb=cost.kv_bytes[d] / GB)
                 for d, ks in sorted(ev["saved"].items())]
-    engine = runtime.replace(
-        attention=cost.attention, tile=cost.tile, offload=cost.offload,
+    engine = replace(
+        runtime, attention=cost.attention, tile=cost.tile, offload=cost.offload,
         light_tile=cost.light if cost.tile and cost.light != cost.tile else None,
+        mlp_chunk=cost.mlp_chunk,
         boundaries_on_device=cost.kept(len(segments)) if cost.offload else 0)
     return Plan(
         segments=[(a, b) for a, b in segments],

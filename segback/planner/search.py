@@ -17,6 +17,8 @@ from segback.planner.geometry import GB
 TIE_FRACTION = 0.005
 # Tile sizes (tokens) `--tile auto` weighs, largest (fastest) first.
 TILE_SIZES = (4096, 2048, 1024, 512, 256)
+# MLP chunks (tokens) `--tile auto` weighs for untiled plans (EngineOptions.mlp_chunk).
+MLP_CHUNKS = (1024,)
 
 
 def _best_by_count(cost: CostModel) -> dict[int, list[tuple[int, int]]]:
@@ -146,19 +148,21 @@ def search_space(tile: Any, offload: Any, light_tile: Any, keep: Any
 
 
 def tile_configs(seq_len: int, attention: str, tile: int | str | None,
-                 offload: bool | str) -> list[tuple[str, int | None, bool]]:
-    """(attention, tile, offload) configurations the planner weighs for these options (as
-    `search_space` returns them)."""
+                 offload: bool | str, mlp_chunk: int | None = None
+                 ) -> list[tuple[str, int | None, bool, int | None]]:
+    """(attention, tile, offload, mlp_chunk) configurations the planner weighs for these
+    options (as `search_space` returns them; `mlp_chunk` as the engine options give it)."""
     if offload is True and tile is None:
         raise ValueError("offload needs a tile size (--tile N or --tile auto)")
     offloads = [False, True] if offload == "auto" else [bool(offload)]
     if tile != "auto":
         if tile is None:
-            return [(attention, None, False)]
-        return [("chunked", tile, off) for off in offloads]
+            return [(attention, None, False, mlp_chunk)]
+        return [("chunked", tile, off, None) for off in offloads]
     sizes = [t for t in TILE_SIZES if t < seq_len] or [seq_len]
-    untiled = [] if offload is True else [(attention, None, False)]
-    return untiled + [("chunked", t, off) for off in offloads for t in sizes]
+    chunks = [mlp_chunk] if mlp_chunk else [None] + [c for c in MLP_CHUNKS if c < seq_len]
+    untiled = [] if offload is True else [(attention, None, False, c) for c in chunks]
+    return untiled + [("chunked", t, off, None) for off in offloads for t in sizes]
 
 
 def pick(options: list[tuple], target_gb: float | None) -> tuple:
