@@ -404,15 +404,41 @@ def test_measure_auto_times_candidates_only_on_a_gpu_with_a_target():
 
 
 def test_uncalibrated_coefficients_follow_the_device():
-    """On CUDA an untiled plan's activations count 1.6x (fitted on an H100); everywhere else,
-    and for tiled plans, the analytic sizes stand, so CPU plans are unchanged."""
+    """On CUDA a plan's activations count 1.6x (fitted on an H100); everywhere else the
+    analytic sizes stand, so CPU plans are unchanged."""
     from segback.planner.cost import CUDA_ACTIVATION, Coefficients, device_coefficients
 
     cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    assert device_coefficients(tiled=True) == Coefficients()
-    untiled = device_coefficients(tiled=False)
-    assert untiled == (Coefficients(activation=CUDA_ACTIVATION) if cuda else Coefficients())
+    assert device_coefficients() == (Coefficients(activation=CUDA_ACTIVATION) if cuda
+                                     else Coefficients())
     given = plan_segments("e4b", 2048, quant_bits=4, target_gb=8, measure=0,
                           coefficients=Coefficients())
     default = plan_segments("e4b", 2048, quant_bits=4, target_gb=8, measure=0)
     assert (default.predicted_peak_gb > given.predicted_peak_gb) == cuda
+
+
+def test_cost_model_stays_within_10_percent_of_the_peaks_measured_on_cuda():
+    """Every e4b plan measured on an H100 in runs h100-run17/18 (bench/data/runs.jsonl: 2K-64K,
+    untiled, chunked MLPs, tiles 256-4096, batch 1-4), predicted again by today's cost model
+    with the CUDA activation factor: within 10% of its measured peak."""
+    import importlib.util
+    from pathlib import Path
+
+    from segback.planner.cost import CUDA_ACTIVATION
+    from segback.planner.geometry import resolve_model
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "planner_check.py"
+    spec = importlib.util.spec_from_file_location("planner_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    rows = [r for r in map(json.loads, check.RUNS.read_text().splitlines())
+            if r.get("run") in ("h100-run17", "h100-run18") and r.get("mode") == "segmented"
+            and "peak_gb" in r]
+    found = check.plans(rows)
+    kinds = {("tiled" if p["tile"] else "mlp" if p["mlp_chunk"] else "untiled") for p in found}
+    assert len(found) > 100 and kinds == {"tiled", "mlp", "untiled"}
+    model, model_id = resolve_model("e4b", "bfloat16", 4)
+    geom = read_geometry(model, 8, None, "bfloat16", model_id)
+    for p in found:
+        predicted = check.predict(geom, p, CUDA_ACTIVATION)
+        assert abs(predicted - p["peak_gb"]) <= 0.10 * p["peak_gb"], (p, predicted)

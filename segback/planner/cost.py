@@ -73,19 +73,20 @@ class Coefficients:
     measured_gb: list[list[float]] = field(default_factory=list)  # [segment][length]
 
 
-# Untiled plans on CUDA hold more than the analytic activations (mlx-cuda keeps a graph's buffers
-# until the graph has run): fitted to 47 measured e4b plans, 2K-8K tokens, batch 1-4, on an H100
-# (bench/RESULTS.md), activations x 1.6 predict every peak within 6.3%, where 1.0 was 13-27% low.
-# Tiled plans are left as they are (within 10% without it). `--calibrate` replaces both.
+# Plans on CUDA hold more than the analytic activations (mlx-cuda keeps a graph's buffers until
+# the graph has run): fitted to 47 measured untiled e4b plans, 2K-8K tokens, batch 1-4, on an
+# H100 (bench/RESULTS.md), activations x 1.6 predict every peak within 6.3%, where 1.0 was 13-27%
+# low; the same factor on the tiled engine's tile transients puts 19 tiled plans (4K-64K, not
+# part of the fit) within 9% (bench/RESULTS.md, run h100-run18). `--calibrate` replaces it.
 CUDA_ACTIVATION = 1.6
 
 
-def device_coefficients(tiled: bool) -> Coefficients:
+def device_coefficients() -> Coefficients:
     """The uncalibrated coefficients for a plan on the default device."""
     import mlx.core as mx
 
     cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    return Coefficients(activation=CUDA_ACTIVATION) if cuda and not tiled else Coefficients()
+    return Coefficients(activation=CUDA_ACTIVATION) if cuda else Coefficients()
 
 
 def _chunk_size(B: int, H: int, L: int, window: int | None) -> int:

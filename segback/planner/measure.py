@@ -1,8 +1,8 @@
 """The planner's choice by measurement: time candidate plans on the real model, keep the fastest
 whose measured peak meets the target.
 
-The cost model ranks plans well but its absolute peaks are device-dependent (untiled plans on
-CUDA measure above its analytic sizes; `cost.CUDA_ACTIVATION` corrects most of it, not all), so a
+The cost model ranks plans well but its absolute peaks are device-dependent (plans on CUDA
+measure above its analytic sizes; `cost.CUDA_ACTIVATION` corrects most of it, not all), so a
 plan it says fits may not. `measure=N` in `plan_segments` runs one warm-up and one timed step of
 the real engine for candidates in the cost model's order (fastest predicted first; each
 configuration's cuts bisected for the fastest that fits), on random tokens, with LoRA attached as

@@ -109,9 +109,10 @@ def plan_segments(
     given = segments
     options = []  # (cost, segments, meets_target, meets_time, message) per configuration
     given_coef = coefficients is not None or coef.calibrated
-    coefs = {tiled: coef if given_coef else device_coefficients(tiled) for tiled in (False, True)}
+    if not given_coef:
+        coef = device_coefficients()
     for att, t, off, chunk in configs:  # boundaries on the device are chosen after the cut
-        cost = CostModel(geom, seq_len, batch_size, att, coefs[bool(t)], t, off,
+        cost = CostModel(geom, seq_len, batch_size, att, coef, t, off,
                          light_tile if t else None, prefetch=runtime.prefetch and off,
                          host_table=table_on_host(runtime.host_table, off), mlp_chunk=chunk)
         if given is None:
