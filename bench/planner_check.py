@@ -3,8 +3,9 @@
 Every segmented row of the runs named, and every candidate the planner timed for it (the row's
 `measured` records), is predicted again with today's cost model at a given activation factor,
 with the cut the planner makes for that segment count and the boundaries on the device that the
-plan ran with (rows: as recorded; timed candidates: as the planner of run h100-run18 chose them,
-with the analytic tiled sizes). Prints one line per plan and the error range per engine kind:
+plan ran with (as recorded; timed candidates before run h100-run19 did not record them: as the
+planner chose them, with the tiled sizes of its day). Prints one line per plan and the error
+range per engine kind:
 
     python bench/planner_check.py --runs h100-run17 h100-run18 --activation 1.0 1.6
 """
@@ -20,6 +21,8 @@ from segback.planner.geometry import GB, read_geometry, resolve_model
 from segback.planner.search import _best_by_count, most_kept
 
 RUNS = Path(__file__).resolve().parent / "data" / "runs.jsonl"
+# Runs whose planner counted the tiled engine's activations at 1.0 (the analytic sizes).
+ANALYTIC_TILED = ("h100-run17", "h100-run18")
 
 
 def plans(rows: list[dict]) -> list[dict]:
@@ -28,9 +31,11 @@ def plans(rows: list[dict]) -> list[dict]:
     out, seen = [], set()
     for r in rows:
         base = dict(seq=r["seq"], batch=r.get("batch", 1), target=r.get("target_gb"),
-                    attention=r.get("attention") or "fused", host_table=r.get("host_table"))
+                    attention=r.get("attention") or "fused", host_table=r.get("host_table"),
+                    run=r.get("run"))
         found = [dict(tile=m["tile"], offload=bool(m["offload"]), mlp_chunk=m.get("mlp_chunk"),
-                      segments=m["segments"], kept=None, peak_gb=m["peak_gb"])
+                      segments=m["segments"], kept=m.get("boundaries_on_device"),
+                      peak_gb=m["peak_gb"])
                  for m in r.get("measured") or []]  # in the order they ran
         found += [dict(tile=r.get("tile"), offload=bool(r.get("offload")),
                        mlp_chunk=r.get("mlp_chunk"), segments=len(r["segments"]),
@@ -58,11 +63,12 @@ def predict(geom, p: dict, activation: float) -> float:
                          host_table=p["host_table"],
                          mlp_chunk=p["mlp_chunk"])
 
-    analytic = model(Coefficients())
-    cut = _best_by_count(analytic)[p["segments"]]
+    then = model(Coefficients() if p["run"] in ANALYTIC_TILED else
+                 Coefficients(activation=activation))
+    cut = _best_by_count(then)[p["segments"]]
     kept = p["kept"]
-    if p["offload"] and kept is None:
-        kept = most_kept(analytic, cut, p["target"]) if p["target"] else 0
+    if p["offload"] and kept is None:  # as the planner of the run chose it
+        kept = most_kept(then, cut, p["target"]) if p["target"] else 0
     return model(Coefficients(activation=activation), kept or 0).evaluate(cut)["peak"] / GB
 
 

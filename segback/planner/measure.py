@@ -108,6 +108,7 @@ def measured_pick(model: nn.Module, candidates: Sequence[tuple[Hashable, Callabl
                 "index": i, "plan": plan, "segments": len(plan.segments),
                 "tile": plan.engine.tile, "offload": plan.engine.offload,
                 "mlp_chunk": plan.engine.mlp_chunk,
+                "boundaries_on_device": plan.engine.boundaries_on_device,
                 "predicted_gb": round(plan.predicted_peak_gb, 3),
                 "peak_gb": round(r["peak_gb"], 3), "seconds": round(r["seconds"], 4),
                 "fits": target_gb is None or r["peak_gb"] <= target_gb * (1 - MARGIN)}
