@@ -25,6 +25,13 @@ RUNS = Path(__file__).resolve().parent / "data" / "runs.jsonl"
 ANALYTIC_TILED = ("h100-run17", "h100-run18")
 
 
+def measured_rows(runs: list[str], data: Path = RUNS) -> list[dict]:
+    """The segmented e4b rows of these runs that measured a peak."""
+    return [r for r in map(json.loads, data.read_text().splitlines())
+            if r.get("run") in runs and r.get("mode") == "segmented"
+            and r.get("model") == "e4b" and "peak_gb" in r]
+
+
 def plans(rows: list[dict]) -> list[dict]:
     """One dict per distinct measured plan: seq, batch, target, attention, host_table, tile,
     offload, mlp_chunk, segments, kept (None: as the planner chose), peak_gb."""
@@ -78,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--activation", nargs="+", type=float, default=[1.6])
     ap.add_argument("--data", type=Path, default=RUNS)
     args = ap.parse_args(argv)
-    rows = [r for r in map(json.loads, args.data.read_text().splitlines())
-            if r.get("run") in args.runs and r.get("mode") == "segmented"
-            and r.get("model") == "e4b" and "peak_gb" in r]
+    rows = measured_rows(args.runs, args.data)
     if not rows:
         raise SystemExit(f"planner_check: no segmented e4b rows of {args.runs} in {args.data}")
     model, model_id = resolve_model("e4b", "bfloat16", 4)

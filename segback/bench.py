@@ -206,7 +206,7 @@ def run_worker(args) -> dict:
             grad_checkpoint(model.layers[0])
         vg = nn.value_and_grad(model, default_loss)
 
-    if mode == "segmented" and opts.resolved().host_table:  # what the engine's first call does
+    if mode == "segmented" and opts.host_table:  # what the engine's first call does
         from segback.engine.host_table import park_tables, parked_bytes
 
         park_tables(model)  # the planner's timed candidates may have parked it already

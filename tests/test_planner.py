@@ -431,11 +431,7 @@ def test_cost_model_stays_within_10_percent_of_the_peaks_measured_on_cuda():
     spec = importlib.util.spec_from_file_location("planner_check", path)
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
-    rows = [r for r in map(json.loads, check.RUNS.read_text().splitlines())
-            if r.get("run") in ("h100-run17", "h100-run18", "h100-run19")
-            and r.get("mode") == "segmented"
-            and "peak_gb" in r]
-    found = check.plans(rows)
+    found = check.plans(check.measured_rows(["h100-run17", "h100-run18", "h100-run19"]))
     kinds = {("tiled" if p["tile"] else "mlp" if p["mlp_chunk"] else "untiled") for p in found}
     assert len(found) > 100 and kinds == {"tiled", "mlp", "untiled"}
     model, model_id = resolve_model("e4b", "bfloat16", 4)

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-
-
-def _has_dropout(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Dropout) and m.training and getattr(m, "_p_1", 1.0) < 1.0
-               for _, m in module.named_modules())
+from segback.engine.stack import has_dropout
 
 
 def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -76,20 +73,16 @@ def checkpointed(mlp: nn.Module, call, x: mx.array, chunk: int, seed: int | None
     return out
 
 
-_CLASSES: dict[type, type] = {}
-
-
+@cache
 def _chunked_class(base: type) -> type:
-    if base not in _CLASSES:
-        def __call__(self, x: mx.array) -> mx.array:
-            spec = self._segback_chunks
-            if x.ndim < 3 or x.shape[1] <= spec[0]:
-                return base.__call__(self, x)
-            return checkpointed(self, base.__call__, x, *spec)
+    """`base` (an MLP class) whose call runs through `checkpointed` on long inputs."""
+    def __call__(self, x: mx.array) -> mx.array:
+        spec = self._segback_chunks
+        if x.ndim < 3 or x.shape[1] <= spec[0]:
+            return base.__call__(self, x)
+        return checkpointed(self, base.__call__, x, *spec)
 
-        _CLASSES[base] = type(base.__name__, (base,), {"__call__": __call__,
-                                                       "__module__": __name__})
-    return _CLASSES[base]
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": __name__})
 
 
 @contextmanager
@@ -105,7 +98,7 @@ def use_mlp_chunks(layers: Sequence[nn.Module], chunk: int | None, seed: int
                 continue
             base = type(mlp)
             object.__setattr__(mlp, "_segback_chunks",
-                               (chunk, seed + 4096 * i if _has_dropout(mlp) else None))
+                               (chunk, seed + 4096 * i if has_dropout(mlp) else None))
             mlp.__class__ = _chunked_class(base)
             swapped.append((mlp, base))
         yield

@@ -43,7 +43,7 @@ from segback.engine.attention import (
     attention_forward,
     attention_shape,
 )
-from segback.engine.stack import Stack
+from segback.engine.stack import Stack, has_dropout
 
 KV = tuple[mx.array, mx.array]
 
@@ -223,11 +223,7 @@ def _shared_fns(call: LayerCall, key: tuple, layer: nn.Module) -> TileFns:
 
 def _can_compile(stack: Stack) -> bool:
     """Compiled traces replay fixed random draws: only without dropout."""
-    for layer in stack.layers:
-        for _, m in layer.named_modules():
-            if isinstance(m, nn.Dropout) and m._p_1 < 1.0:
-                return False
-    return True
+    return not any(has_dropout(layer) for layer in stack.layers)
 
 
 @dataclass

@@ -77,15 +77,17 @@ def layer_flops(g: LayerGeom, seq_len: int) -> dict[str, float]:
                 attention_bwd=BWD_ATTN_FUSED * attn, qkv=g.qkv_flops)
 
 
-def _plan_parts(plan: Any, n: int) -> tuple[list[tuple[int, int]], str, int | None]:
-    """(segments, attention, tile) of a `segback.engine.Plan` (None: one segment, fused)."""
+def _plan_parts(plan: Any, n: int
+                ) -> tuple[list[tuple[int, int]], str, int | None, int | None]:
+    """(segments, attention, tile, mlp_chunk) of a `segback.engine.Plan` (None: one segment,
+    fused)."""
     if plan is None:
-        return [(0, n)], "fused", None
+        return [(0, n)], "fused", None, None
     engine = getattr(plan, "engine", None)
     segments = [(int(a), int(b)) for a, b in plan.segments]
     attention = getattr(engine, "attention", "fused") or "fused"
     tile = getattr(engine, "tile", None)
-    return segments, ("chunked" if tile else attention), tile
+    return segments, ("chunked" if tile else attention), tile, getattr(engine, "mlp_chunk", None)
 
 
 def step_flops(geom: Geometry, seq_len: int, batch: int = 1, mode: str = "segmented",
@@ -106,7 +108,7 @@ def step_flops(geom: Geometry, seq_len: int, batch: int = 1, mode: str = "segmen
     per = [layer_flops(g, L) for g in geom.layers]
     trainable = [i for i, g in enumerate(geom.layers) if g.lora_params]
     first = trainable[0] if trainable else n  # layers >= first run a backward
-    segments, attention, tile = _plan_parts(plan if mode == "segmented" else None, n)
+    segments, attention, tile, mlp_chunk = _plan_parts(plan if mode == "segmented" else None, n)
     chunked = mode == "segmented" and attention == "chunked"
 
     fwd = [p["linear"] + p["attention"] for p in per]
@@ -122,7 +124,7 @@ def step_flops(geom: Geometry, seq_len: int, batch: int = 1, mode: str = "segmen
         if tile:
             recompute += sum(per[i]["qkv"] for a, b in run for i in range(a, b))
             recompute += sum(sum(fwd[a:b - 1]) for a, b in run)
-        elif getattr(getattr(plan, "engine", None), "mlp_chunk", None):  # MLPs run once more
+        elif mlp_chunk:  # every MLP's forward once more, in its VJP
             recompute += sum(geom.layers[i].mlp_flops for a, b in run for i in range(a, b))
         if chunked:
             recompute += sum((BWD_ATTN_CHUNKED - BWD_ATTN_FUSED) * p["attention"]

@@ -69,10 +69,7 @@ def plan_segments(
     runtime = options or EngineOptions()
     tile, offload, boundaries_on_device = search_space(tile, offload, light_tile,
                                                        boundaries_on_device)
-    runtime_chunk = runtime.mlp_chunk
-    if runtime_chunk and tile not in (None, "auto"):
-        raise ValueError("mlp_chunk is for untiled plans: drop it, or --tile")
-    configs = tile_configs(seq_len, attention, tile, offload, runtime_chunk)
+    configs = tile_configs(seq_len, attention, tile, offload, runtime.mlp_chunk)
     if measure and not isinstance(model_or_config, (nn.Module, dict)) \
             and Path(model_or_config).is_dir():  # time it as training loads it
         from segback.models.load import load

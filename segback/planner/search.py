@@ -154,6 +154,8 @@ def tile_configs(seq_len: int, attention: str, tile: int | str | None,
     options (as `search_space` returns them; `mlp_chunk` as the engine options give it)."""
     if offload is True and tile is None:
         raise ValueError("offload needs a tile size (--tile N or --tile auto)")
+    if mlp_chunk and tile not in (None, "auto"):
+        raise ValueError("mlp_chunk is for untiled plans: drop it, or --tile")
     offloads = [False, True] if offload == "auto" else [bool(offload)]
     if tile != "auto":
         if tile is None:
