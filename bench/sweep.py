@@ -180,6 +180,8 @@ CONFIGS = [Config(c.name, c.machine, c.measures, tuple(_cost(a) for a in c.comma
 # checkpointed step as it ships beside each length (8191: at 8192 its logits are 2^31 elements).
 AUTO = (*SEG, "--segments", "auto", "--tile", "auto", "--offload", "auto",
         "--dequant-matmul", "auto")
+# The same with no MLX_MAX_OPS_PER_BUFFER flag: segback's CLI sets its own CUDA default.
+DEFAULTS = ("--modes", "segmented", *AUTO[len(SEG):])
 CONFIGS += [
     Config("defaults-dq", "h200",
            "mlx-lm ckpt at 2K / 4K / 8191 against the planner's measured pick at G = 8 GB and "
@@ -198,6 +200,16 @@ CONFIGS += [
            (_e4b(2048, 2, "--modes", "ckpt", "--max-ops-per-buffer", "4", "--batch", "2"),
             *(_e4b(2048, 2, *SEG, "--segments", "auto", "--dequant-matmul", "auto", "--batch",
                    b, "--target-gb", "16", timeout=300) for b in ("2", "3", "4")))),
+    Config("defaults-ops", "h200",
+           "the defaults bar with no MLX_MAX_OPS_PER_BUFFER flag: mlx-lm ckpt as it ships "
+           "(MLX's 20 ops a graph) and at 4, against segback's own CUDA default (4) at G = 8 GB; "
+           "then segback's defaults at 8K with MLX's 20",
+           (*(cmd for seq, ck in ((4096, 4096), (8192, 8191), (2048, 2048)) for cmd in (
+               _e4b(ck, 2, "--modes", "ckpt"),
+               _e4b(ck, 2, "--modes", "ckpt", "--max-ops-per-buffer", "4"),
+               _e4b(seq, 2, *DEFAULTS, "--target-gb", "8", timeout=300))),
+            _e4b(8192, 2, *DEFAULTS, "--target-gb", "8", "--max-ops-per-buffer", "20",
+                 timeout=300))),
     Config("planner-long", "h200",
            "the planner's predicted peak against the measured one at 16K-128K with the defaults "
            "(--tile auto --offload auto, the cost model's pick: --measure 0)",
@@ -212,7 +224,7 @@ GROUPS = {
         ("untiled", "chunked", "eqmem", "auto-8k-dq", "defaults"))],
     "h200-untiled": [c.name for c in CONFIGS if c.name.startswith(("untiled", "chunked"))],
     "h200-eqmem": ["eqmem-2k", "eqmem-8k", "auto-8k-dq", "eqmem-2k-16"],
-    "h200-defaults": ["defaults-dq", "planner-long"],
+    "h200-defaults": ["defaults-dq", "defaults-ops", "planner-long"],
     "cpu": ["cpu-table", "cpu-chunked", "cpu-tiled", "cpu-e4b-slice"],
     "smoke": ["cpu-smoke", "cpu-smoke-tiled"],
 }

@@ -30,6 +30,7 @@ and the sweep configuration (`--config-name`, see bench/sweep.py) and run label 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -37,6 +38,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +46,8 @@ from pathlib import Path
 from segback.engine import options as engine_options
 from segback.planner.cli import SEARCHED
 from segback.planner.measure import parse_measure
+from segback.ops_per_buffer import CUDA_DEFAULT, limit_ops_per_buffer
+from segback.ops_per_buffer import ENV as OPS_ENV
 
 MODES = ("full", "ckpt", "segmented")
 
@@ -92,7 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of tokens masked out of the loss as prompt")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
     p.add_argument("--max-ops-per-buffer", type=int, default=None,
-                   help="MLX_MAX_OPS_PER_BUFFER for every mode (CUDA frees buffers per graph)")
+                   help="MLX_MAX_OPS_PER_BUFFER for every mode (CUDA frees buffers per graph); "
+                   "default: the environment's, or where unset MLX's own for mlx-lm's modes and "
+                   f"segback's CUDA default ({CUDA_DEFAULT}) for the segmented mode")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--config-name", default=None,
                    help="name of the bench/sweep.py configuration this run is (row key "
@@ -182,7 +188,7 @@ def run_worker(args) -> dict:
     if args.pack:
         row |= {"pack": args.pack, "example_tokens": (L + 1) // args.pack,
                 "packed": mode == "segmented"}
-    for var in ("MLX_MAX_OPS_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE"):
+    for var in (OPS_ENV, "MLX_CUDA_GRAPH_CACHE_SIZE"):
         if var in os.environ:
             row[var.lower()] = int(os.environ[var])
 
@@ -214,6 +220,7 @@ def run_worker(args) -> dict:
     mx.clear_cache()
     row["resting_gb"] = round(memory_stats()["active_gb"], 3)
     times, peaks = [], []
+    _progress(f"{mode}: resting {row['resting_gb']} GB, warm-up step and {args.steps} timed")
     for step in range(args.steps + 1):
         reset_peak()
         tic = time.perf_counter()
@@ -222,6 +229,7 @@ def run_worker(args) -> dict:
         mx.eval(loss, ntoks, model.parameters(), opt.state)
         times.append(time.perf_counter() - tic)
         peaks.append(memory_stats()["peak_gb"])
+        _progress(f"{mode}: step {step}/{args.steps} {times[-1]:.3f} s, peak {peaks[-1]:.3f} GB")
         if step == 0:
             row["loss"] = round(float(loss), 6)
         del grads
@@ -407,6 +415,53 @@ def _worker_argv(args, mode: str) -> list[str]:
     return argv
 
 
+def _mode_env(args, mode: str) -> dict[str, str]:
+    """A worker's environment: `--max-ops-per-buffer` for every mode, else the user's, with
+    segback's CUDA default filled in for the segmented mode (as `segback train` runs) and not
+    for mlx-lm's (as it ships)."""
+    env = os.environ.copy()
+    if args.max_ops_per_buffer:
+        env[OPS_ENV] = str(args.max_ops_per_buffer)
+    elif mode == "segmented":
+        limit_ops_per_buffer(env)
+    return env
+
+
+def _progress(line: str) -> None:
+    print(f"bench {line}", file=sys.stderr, flush=True)
+
+
+def _run_worker(argv: list[str], env: dict[str, str],
+                timeout: float) -> tuple[int | None, str, list[str]]:
+    """Run one mode's worker, passing its stderr (the plan, each step) through as it comes, so
+    that a slow or killed mode still shows how far it got. Returns its exit code (None after a
+    timeout), its stdout and the last lines of its stderr."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    out: list[str] = []
+
+    def echo() -> None:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line.rstrip())
+
+    readers = [threading.Thread(target=echo, daemon=True),
+               threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        code: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    for t in readers:
+        t.join(timeout=5)
+    return code, "".join(out), [ln for ln in tail if ln]
+
+
 def main(args) -> int:
     if args.worker:
         print(json.dumps(run_worker(args)), flush=True)
@@ -415,24 +470,19 @@ def main(args) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    env = os.environ.copy()
-    if args.max_ops_per_buffer:
-        env["MLX_MAX_OPS_PER_BUFFER"] = str(args.max_ops_per_buffer)
     for mode in modes:
         tic = time.perf_counter()
-        try:
-            proc = subprocess.run(_worker_argv(args, mode), capture_output=True, text=True,
-                                  timeout=args.timeout, env=env)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode == 0 and lines:
-                row = json.loads(lines[-1])
-            else:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                row = {"mode": mode, "model": args.model, "seq": args.seq,
-                       "error": " | ".join(tail) or f"exit code {proc.returncode}"}
-        except subprocess.TimeoutExpired:
-            row = {"mode": mode, "model": args.model, "seq": args.seq,
-                   "error": f"timeout after {args.timeout}s"}
+        code, stdout, tail = _run_worker(_worker_argv(args, mode), _mode_env(args, mode),
+                                         args.timeout)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        if code == 0 and lines:
+            row = json.loads(lines[-1])
+        else:
+            error = (f"timeout after {args.timeout}s" if code is None else
+                     " | ".join(tail[-3:]) or f"exit code {code}")
+            if code is None and tail:
+                error += f"; last output: {tail[-1]}"
+            row = {"mode": mode, "model": args.model, "seq": args.seq, "error": error}
         row["wall_s"] = round(time.perf_counter() - tic, 1)
         row = with_provenance(row, args.config_name, args.run)
         print(json.dumps(row), flush=True)

@@ -46,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in COMPUTE_COMMANDS:
         from segback.blas import ensure_openblas
         from segback.kernel_cache import persist_kernel_cache
+        from segback.ops_per_buffer import limit_ops_per_buffer
 
         ensure_openblas()
         persist_kernel_cache()
+        if argv[0] != "bench":  # bench sets it per mode: mlx-lm's modes run as mlx-lm ships
+            limit_ops_per_buffer()
     sys.argv = [sys.argv[0], *argv]
     args = build_parser().parse_args(argv)
     result = importlib.import_module(args._module).main(args)
