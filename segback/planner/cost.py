@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from segback.engine.offload import MAX_PENDING
+from segback.engine.options import table_on_host
 from segback.planner.geometry import Geometry, LayerGeom
 
 # Fused attention (mx.fast.scaled_dot_product_attention under grad tracing runs MLX's composed
@@ -129,8 +130,9 @@ class CostModel:
         self.boundaries_on_device = int(boundaries_on_device)
         self.prefetch = self.offload and prefetch
         self.mlp_chunk = min(int(mlp_chunk), seq_len) if mlp_chunk else None
-        # Gemma-4's per-layer table in host memory (EngineOptions.host_table; None: with offload)
-        self.host_table = self.offload if host_table is None else bool(host_table)
+        # Gemma-4's per-layer table in host memory (EngineOptions.host_table; None: the engine's
+        # default on the default device)
+        self.host_table = table_on_host(host_table, self.offload)
         self.coef = coef or Coefficients()
         s, L, B = geom.dtype_bytes, seq_len, batch_size
         self.hidden_bytes = B * L * geom.hidden * s  # one [B, L, hidden] boundary
