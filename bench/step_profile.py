@@ -26,6 +26,7 @@ from segback.bench import append_rows, with_provenance
 from segback.engine import options as engine_options
 from segback.ops_per_buffer import limit_ops_per_buffer
 from segback.planner.cli import SEARCHED
+from segback.planner.measure import parse_measure
 
 PHASES = ("forward", "head", "backward")
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-gb", type=float, default=None)
     p.add_argument("--tile", default="auto", help="as `segback plan --tile` (default: auto)")
     p.add_argument("--offload", default="auto", help="as `segback plan --offload`")
-    p.add_argument("--measure", default="0",
+    p.add_argument("--measure", type=parse_measure, default=0, metavar="N",
                    help="as `segback plan --measure` (default 0: the cost model's pick)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--out", default=None, help="also append the row to this JSON lines file")
@@ -116,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     from segback.models.dequant_linear import use_dequantized_matmul
     from segback.models.geometry import build_model
     from segback.planner import plan_segments
-    from segback.planner.measure import parse_measure
 
     gpu = mx.default_device() == mx.gpu
     model = build_model(args.model, dtype=mx.bfloat16 if gpu else mx.float32,
@@ -125,11 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     linear_to_lora_layers(model, len(model.layers), {"rank": 8, "scale": 20.0, "dropout": 0.0})
     if args.quant_bits:
         use_dequantized_matmul(model)
-    tile = args.tile if args.tile in ("auto", None) else int(args.tile)
-    offload = {"true": True, "false": False}.get(args.offload, args.offload)
-    plan = plan_segments(model, args.seq, target_gb=args.target_gb, tile=tile, offload=offload,
+    plan = plan_segments(model, args.seq, target_gb=args.target_gb, tile=args.tile,
+                         offload=args.offload,
                          options=engine_options.from_args(args, skip=SEARCHED),
-                         measure=parse_measure(args.measure))
+                         measure=args.measure)
     mx.random.seed(0)
     batch = mx.random.randint(0, model.args.vocab_size, (1, args.seq + 1))
     lengths = [[0, args.seq]]

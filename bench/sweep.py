@@ -178,10 +178,10 @@ CONFIGS = [Config(c.name, c.machine, c.measures, tuple(_cost(a) for a in c.comma
 # The defaults a user gets (issue 19): `segback train --plan auto --target-gb G` on a 4-bit
 # model, i.e. dequantized matmuls and the planner timing 3 candidates on the device; mlx-lm's
 # checkpointed step as it ships beside each length (8191: at 8192 its logits are 2^31 elements).
-AUTO = (*SEG, "--segments", "auto", "--tile", "auto", "--offload", "auto",
-        "--dequant-matmul", "auto")
+PLANNED = ("--segments", "auto", "--tile", "auto", "--offload", "auto", "--dequant-matmul", "auto")
+AUTO = (*SEG, *PLANNED)
 # The same with no MLX_MAX_OPS_PER_BUFFER flag: segback's CLI sets its own CUDA default.
-DEFAULTS = ("--modes", "segmented", *AUTO[len(SEG):])
+DEFAULTS = ("--modes", "segmented", *PLANNED)
 CONFIGS += [
     Config("defaults-dq", "h200",
            "mlx-lm ckpt at 2K / 4K / 8191 against the planner's measured pick at G = 8 GB and "

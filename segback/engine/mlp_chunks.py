@@ -20,6 +20,7 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+
 from segback.engine.stack import has_dropout
 
 

@@ -22,6 +22,7 @@ from mlx_lm.models.base import create_attention_mask
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
 SUPPORTED_TYPES = (*DENSE_TYPES, "gemma3_text", "gemma4_text", "gemma4")
 
+
 def has_dropout(module: nn.Module) -> bool:
     """Whether `module` draws random masks (a LoRA dropout with p > 0): replays of it must
     reseed, and compiled traces cannot replay it."""

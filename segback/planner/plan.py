@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from segback.engine.options import EngineOptions, table_on_host
+from segback.engine.options import EngineOptions
 from segback.engine.plan import Plan, segments_of
 from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
@@ -111,7 +111,7 @@ def plan_segments(
     for att, t, off, chunk in configs:  # boundaries on the device are chosen after the cut
         cost = CostModel(geom, seq_len, batch_size, att, coef, t, off,
                          light_tile if t else None, prefetch=runtime.prefetch and off,
-                         host_table=table_on_host(runtime.host_table, off), mlp_chunk=chunk)
+                         host_table=runtime.host_table, mlp_chunk=chunk)
         if given is None:
             options.append((cost, *choose(cost, target_gb, time_budget)))
             continue
