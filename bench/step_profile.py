@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import mlx.core as mx
@@ -32,14 +33,19 @@ PHASES = ("forward", "head", "backward")
 
 
 class Clock:
-    """Wall time and time inside MLX's evaluation, per phase of one step."""
+    """Wall time and time inside MLX's evaluation, per phase of one step.
 
-    def __init__(self) -> None:
+    With `progress` (seconds), a line to stderr at most that often: a long step (128K tokens
+    takes minutes) shows how far it got, even if it is cut off.
+    """
+
+    def __init__(self, progress: float | None = None) -> None:
         self.phase = "forward"
         self.wall = dict.fromkeys(PHASES, 0.0)
         self.inside = dict.fromkeys(PHASES, 0.0)
         self.evals = dict.fromkeys(PHASES, 0)
-        self.mark = time.perf_counter()
+        self.mark = self.start = self.said = time.perf_counter()
+        self.progress = progress
 
     def enter(self, phase: str) -> None:
         now = time.perf_counter()
@@ -52,16 +58,22 @@ class Clock:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.inside[self.phase] += time.perf_counter() - tic
+                now = time.perf_counter()
+                self.inside[self.phase] += now - tic
                 self.evals[self.phase] += 1
+                if self.progress is not None and now - self.said >= self.progress:
+                    self.said = now
+                    print(f"step_profile: {now - self.start:.1f} s, {self.phase}, "
+                          f"{self.evals[self.phase]} evaluations, peak "
+                          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr, flush=True)
         return wrapper
 
 
-def profile_step(model, batch, lengths, plan) -> dict:
+def profile_step(model, batch, lengths, plan, progress: float | None = None) -> dict:
     """Seconds per phase of one step, inside and outside evaluation (the step evaluated)."""
     from segback.engine import segmented, value_and_grad
 
-    clock = Clock()
+    clock = Clock(progress)
     head_vjp = segmented.head_vjp
 
     def timed_head(*args, **kwargs):
@@ -102,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload", default="auto", help="as `segback plan --offload`")
     p.add_argument("--measure", type=parse_measure, default=0, metavar="N",
                    help="as `segback plan --measure` (default 0: the cost model's pick)")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed steps after one warm-up step; 0 reports the warm-up step itself "
+                   "(kernels built on the way: the first step a user waits for)")
+    p.add_argument("--progress", type=float, default=10.0, metavar="SECONDS",
+                   help="a progress line to stderr at most this often (default 10)")
     p.add_argument("--out", default=None, help="also append the row to this JSON lines file")
     p.add_argument("--config-name", default=None, help="row key \"config\"")
     p.add_argument("--run", default=None, help="row key \"run\"")
@@ -134,9 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [[0, args.seq]]
     mx.eval(model.parameters(), batch)
 
-    profile_step(model, batch, lengths, plan)  # warm-up: kernels built, caches filled
     reset_peak()
-    rows = [profile_step(model, batch, lengths, plan) for _ in range(args.repeats)]
+    first = profile_step(model, batch, lengths, plan, args.progress)  # kernels built, caches filled
+    if args.repeats:
+        reset_peak()
+    rows = [profile_step(model, batch, lengths, plan, args.progress)
+            for _ in range(args.repeats)] or [first]
     row = sorted(rows, key=lambda r: r["step_s"])[len(rows) // 2]
     opts = plan.engine.resolved()
     row = {"script": "bench/step_profile.py", "model": args.model, "seq": args.seq,
@@ -145,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
            "predicted_peak_gb": plan.predicted_peak_gb,
            "peak_gb": round(memory_stats()["peak_gb"], 3),
            "step_s_all": [r["step_s"] for r in rows],
-           "step_s_spread": round(statistics.pstdev(r["step_s"] for r in rows), 4), **row}
+           "step_s_spread": round(statistics.pstdev(r["step_s"] for r in rows), 4),
+           "warm": bool(args.repeats), **row}
     print(json.dumps(row), flush=True)
     if args.out:
         append_rows(args.out, [with_provenance(row, args.config_name, args.run)])

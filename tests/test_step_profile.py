@@ -1,6 +1,7 @@
 """bench/step_profile.py: the phases add up to the step, and timing them leaves the step as is."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,3 +38,16 @@ def test_phases_add_up_and_the_step_is_unchanged():
         assert row[f"{p}_evals"] >= 1
         assert 0 <= row[f"{p}_in_eval_s"] <= row[f"{p}_s"] + 1e-6
     assert row["forward_evals"] >= 3 and row["backward_evals"] >= 3  # one a segment at least
+
+
+def test_the_warm_up_step_alone_with_progress_lines(capsys):
+    profile = _script()
+    assert profile.main(["--model", "tiny-e4b", "--seq", "128", "--tile", "64",
+                         "--offload", "false", "--repeats", "0", "--progress", "0"]) == 0
+    out, err = capsys.readouterr()
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["warm"] is False and len(row["step_s_all"]) == 1 and row["tile"] == 64
+    lines = [x for x in err.splitlines() if x.startswith("step_profile: ")]
+    evals = sum(row[f"{p}_evals"] for p in profile.PHASES)
+    assert len(lines) == evals  # --progress 0: a line after every evaluation
+    assert {x.split(", ")[1] for x in lines} == set(profile.PHASES)
