@@ -29,7 +29,7 @@ from segback.engine.offload import HostStore
 from segback.engine.options import EngineOptions
 from segback.engine.packing import Packed, is_packed
 from segback.engine.plan import Plan, segments_of
-from segback.engine.stack import Stack, get_stack
+from segback.engine.stack import Stack, get_stack, has_dropout
 from segback.engine.tiled import LayerCall, layer_forward, layer_vjp
 from segback.engine.tiled import tiles as token_tiles
 
@@ -269,6 +269,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
     masks = stack.masks(h, descriptors=True)
     sources = stack.kv_source
     donors = {src for i, src in enumerate(sources) if src != i}
+    dropout = [has_dropout(layer) for layer in stack.layers]
 
     def call(i: int, kv: dict, then: int | None = None) -> LayerCall:
         """Layer i's call; `then` is the layer after it in this pass, whose per-layer input
@@ -280,7 +281,8 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
         return LayerCall(stack, i, masks[stack.layer_types[i]], opts.tile, list(per_layer[i]),
                          pli, kv[src] if src != i else None, need_input_grad, opts.compile,
                          seed=seed + 100_003 * i, light_tile=opts.light_tile,
-                         share_traces=opts.share_traces, in_flight=opts.tiles_in_flight)
+                         share_traces=opts.share_traces, in_flight=opts.tiles_in_flight,
+                         dropout=dropout[i])
 
     def leaves(i: int) -> list[mx.array]:
         return list(per_layer[i].values())

@@ -221,11 +221,6 @@ def _shared_fns(call: LayerCall, key: tuple, layer: nn.Module) -> TileFns:
     return _SHARED[skey]
 
 
-def _can_compile(stack: Stack) -> bool:
-    """Compiled traces replay fixed random draws: only without dropout."""
-    return not any(has_dropout(layer) for layer in stack.layers)
-
-
 @dataclass
 class LayerCall:
     """One layer's call in this step: its static tile functions and this step's inputs."""
@@ -243,17 +238,21 @@ class LayerCall:
     light_tile: int | None = None  # tile of the pre pass, its VJP and the forward post pass
     share_traces: bool = False  # compiled: layers of one structure share their tile functions
     in_flight: int = 2  # tiles scheduled before waiting for the previous one
+    # Whether the layer draws dropout masks (compiled traces would replay fixed draws, so such a
+    # layer runs eager); None: look. The engine looks once a step: a look walks the layer's
+    # modules, which costs more host time than a tile's graph on a GPU.
+    dropout: bool | None = None
 
     def reseed(self, t: int, part: int) -> None:
         """Dropout stream of tile t's pre (0) or post (1) pass, the same in forward and VJP."""
         mx.random.seed(self.seed + 2 * t + part)
 
     def __post_init__(self):
-        self.deterministic = _can_compile(self.stack)
+        layer = self.stack.layers[self.index]
+        self.deterministic = not (has_dropout(layer) if self.dropout is None else self.dropout)
         compile = self.compile and self.deterministic
         key = (tuple(self.keys), self.owns_kv, self.per_layer is not None, self.pli_grad,
                self.mask, compile, compile and self.share_traces)
-        layer = self.stack.layers[self.index]
         per_module = _fns_of(layer)
         if key not in per_module:
             per_module[key] = _shared_fns(self, key, layer) if compile and self.share_traces \
