@@ -29,7 +29,7 @@ from segback.engine import EngineOptions, offload, tiled
 from segback.engine import options as engine_options
 from segback.engine.attention import use_chunked_attention
 from segback.engine.segmented import _split_trainable
-from segback.engine.stack import get_stack
+from segback.engine.stack import binder, get_stack
 from segback.models.geometry import build_model
 
 SWEPT = ("attention", "tile", "tiles_in_flight", "head_chunk")
@@ -132,12 +132,12 @@ def main() -> None:
             mask = stack.masks(h)[kind]
 
             def f(x, *lv, i=i, keys=keys, mask=mask):
-                tiled.bind_layer(stack.layers[i], keys)(list(lv))
+                binder(stack.layers[i], keys)(list(lv))
                 return [stack.layer(i, x, mask, pli)[0]]
 
             fwd, _ = clock(lambda: f(h, *leaves), args.repeats)
             vjp, _ = clock(lambda: mx.vjp(f, [h, *leaves], [dh])[1], args.repeats)
-            tiled.bind_layer(stack.layers[i], keys)(leaves)
+            binder(stack.layers[i], keys)(leaves)
             emit({**meta, "layer": i, "kind": kind, "path": "mlx-lm",
                   "forward_ms": round(1e3 * fwd, 2), "vjp_ms": round(1e3 * vjp, 2),
                   "layer_ms": round(1e3 * (fwd + vjp), 2)}, args)

@@ -481,3 +481,33 @@ def test_host_table_is_bit_exact_and_leaves_the_parameters(bits, dtype):
     trainable.freeze()
     trainable.model.embed_tokens_per_layer.unfreeze()
     assert park_tables(trainable) == 0 and table_bytes(trainable) > 0
+
+
+def test_binder_binds_as_module_update_does():
+    """The engine's fast binder leaves a layer as `update(..., strict=False)` leaves it, walks
+    list indices (model.layers.3...), and binds into a module swapped in after it was made."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from segback.engine.stack import binder
+
+    model = lora_model("tiny-llama")
+    flat = tree_flatten(model.trainable_parameters())
+    keys = [k for k, _ in flat]
+    assert any(".3." in k for k in keys)
+    new = [mx.full(v.shape, float(i), v.dtype) for i, (_, v) in enumerate(flat)]
+    binder(model, keys)(new)
+    for (k, v), expected in zip(tree_flatten(model.trainable_parameters()), new):
+        assert v is expected, k
+    other = lora_model("tiny-llama")
+    other.update(tree_unflatten(list(zip(keys, new))), strict=False)
+    for (k, a), (_, b) in zip(tree_flatten(model.parameters()), tree_flatten(other.parameters())):
+        assert mx.array_equal(a, b), k
+
+    key = next(k for k in keys if k.endswith("layers.0.self_attn.q_proj.lora_a"))
+    bind = binder(model, [key])
+    attn = get_stack(model).layers[0].self_attn
+    q = attn.q_proj
+    attn.q_proj = type(q)(q.lora_a.shape[0], q.lora_b.shape[1], r=q.lora_a.shape[1])
+    value = mx.ones(q.lora_a.shape)
+    bind([value])
+    assert attn.q_proj.lora_a is value and q.lora_a is not value

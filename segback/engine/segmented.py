@@ -29,7 +29,7 @@ from segback.engine.offload import HostStore
 from segback.engine.options import EngineOptions
 from segback.engine.packing import Packed, is_packed
 from segback.engine.plan import Plan, segments_of
-from segback.engine.stack import Stack, get_stack, has_dropout
+from segback.engine.stack import Stack, binder, get_stack, has_dropout
 from segback.engine.tiled import LayerCall, layer_forward, layer_vjp
 from segback.engine.tiled import tiles as token_tiles
 
@@ -67,12 +67,6 @@ def _split_trainable(model: nn.Module, stack: Stack):
         else:
             outer[k] = v
     return per_layer, outer
-
-
-def _binder(module: nn.Module, keys: list[str]):
-    def bind(leaves):
-        module.update(tree_unflatten(list(zip(keys, leaves))), strict=False)
-    return bind
 
 
 def value_and_grad(
@@ -127,7 +121,7 @@ def _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed):
     need_input_grad = bool(outer)  # embedding-side params are trainable: thread dh back
 
     outer_keys = list(outer)
-    bind_outer = _binder(model, outer_keys)
+    bind_outer = binder(model, outer_keys)
     outer_vals = [outer[k] for k in outer_keys]
 
     # 1. Forward, keeping evaluated boundaries (eval detaches them from the graph).
@@ -248,7 +242,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
     seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
     store = HostStore(opts.offload, opts.prefetch)
     outer_keys = list(outer)
-    bind_outer = _binder(model, outer_keys)
+    bind_outer = binder(model, outer_keys)
     outer_vals = [outer[k] for k in outer_keys]
     spans = token_tiles(L, opts.light_tile or opts.tile)
 

@@ -29,6 +29,25 @@ def has_dropout(module: nn.Module) -> bool:
     return any(isinstance(m, nn.Dropout) and m._p_1 < 1.0 for _, m in module.named_modules())
 
 
+def binder(module: nn.Module, keys: list[str]) -> Callable[[list[mx.array]], None]:
+    """A function that puts values of `module`'s leaves at `keys` (dotted paths, as
+    `tree_flatten` names them) into it, as `module.update(..., strict=False)` would.
+
+    It walks each path and assigns: the engine binds a layer's leaves once per tile, and
+    `update`'s tree rebuilding costs more host time than a tile's graph. Paths are walked at
+    every call, so a module swapped in since (LoRA applied again) is the one bound.
+    """
+    paths = [[int(p) if p.isdigit() else p for p in key.split(".")] for key in keys]
+
+    def bind(leaves: list[mx.array]) -> None:
+        for path, value in zip(paths, leaves):
+            obj = module
+            for part in path[:-1]:
+                obj = obj[part]
+            obj[path[-1]] = value
+    return bind
+
+
 # A layer's mask: mlx-lm's own value ("causal", None or a boolean array), built once per step.
 Mask = Any
 

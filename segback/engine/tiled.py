@@ -34,7 +34,7 @@ import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from segback.engine.attention import (
     MaskSpec,
@@ -43,7 +43,7 @@ from segback.engine.attention import (
     attention_forward,
     attention_shape,
 )
-from segback.engine.stack import Stack, has_dropout
+from segback.engine.stack import Stack, binder, has_dropout
 
 KV = tuple[mx.array, mx.array]
 
@@ -98,7 +98,7 @@ class TileFns:
         self.owns_kv, self.has_pli, self.pli_grad = owns_kv, has_pli, pli_grad
         self.frozen_keys = list(frozen_keys or [])
         self.n_leaves = len(keys)
-        self.bind = bind_layer(stack.layers[index], keys + self.frozen_keys)
+        self.bind = binder(stack.layers[index], keys + self.frozen_keys)
         self.scale: float | None = None
         self.compiled = compile
         self._saved: list[mx.array] | None = None  # the template's own weights while tracing
@@ -438,9 +438,3 @@ def layer_vjp(
     return _cat(dh_in, 1), dpli, d_shared, grads
 
 
-def bind_layer(layer, keys: list[str]) -> Callable[[list[mx.array]], None]:
-    """Put (traced) values of a layer's trainable leaves into the layer."""
-    def bind(leaves: list[mx.array]) -> None:
-        if keys:
-            layer.update(tree_unflatten(list(zip(keys, leaves))), strict=False)
-    return bind
