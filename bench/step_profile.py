@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-gb", type=float, default=None)
     p.add_argument("--tile", default="auto", help="as `segback plan --tile` (default: auto)")
     p.add_argument("--offload", default="auto", help="as `segback plan --offload`")
+    p.add_argument("--segments", default="auto",
+                   help="auto (the planner's cut) or N layers per segment, as `segback bench "
+                   "--segments` (then --tile and --offload must be given, not auto)")
     p.add_argument("--measure", type=parse_measure, default=0, metavar="N",
                    help="as `segback plan --measure` (default 0: the cost model's pick)")
     p.add_argument("--repeats", type=int, default=3,
@@ -141,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     linear_to_lora_layers(model, len(model.layers), {"rank": 8, "scale": 20.0, "dropout": 0.0})
     if args.quant_bits:
         use_dequantized_matmul(model)
+    if args.segments != "auto" and not args.segments.isdigit():
+        p.error(f"--segments must be auto or a number of layers, not {args.segments!r}")
     plan = plan_segments(model, args.seq, target_gb=args.target_gb, tile=args.tile,
                          offload=args.offload,
                          options=engine_options.from_args(args, skip=SEARCHED),
-                         measure=args.measure)
+                         measure=args.measure,
+                         segments=None if args.segments == "auto" else int(args.segments))
     mx.random.seed(0)
     batch = mx.random.randint(0, model.args.vocab_size, (1, args.seq + 1))
     lengths = [[0, args.seq]]

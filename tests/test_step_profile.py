@@ -43,10 +43,12 @@ def test_phases_add_up_and_the_step_is_unchanged():
 def test_the_warm_up_step_alone_with_progress_lines(capsys):
     profile = _script()
     assert profile.main(["--model", "tiny-e4b", "--seq", "128", "--tile", "64",
-                         "--offload", "false", "--repeats", "0", "--progress", "0"]) == 0
+                         "--offload", "false", "--segments", "4", "--repeats", "0",
+                         "--progress", "0"]) == 0
     out, err = capsys.readouterr()
     row = json.loads(out.strip().splitlines()[-1])
     assert row["warm"] is False and len(row["step_s_all"]) == 1 and row["tile"] == 64
+    assert row["segments"] == 3  # 12 layers, 4 a segment
     lines = [x for x in err.splitlines() if x.startswith("step_profile: ")]
     evals = sum(row[f"{p}_evals"] for p in profile.PHASES)
     assert len(lines) == evals  # --progress 0: a line after every evaluation

@@ -59,6 +59,16 @@ GEOMETRIES: dict[str, dict] = {
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
         final_logit_softcapping=30.0, tie_word_embeddings=True,
     ),
+    # e4b's depth and layer pattern (42 layers, 18 sharing K/V) at tiny-e4b's widths: the host
+    # time of building a step's graphs grows with the layers and tiles, not the widths, so this
+    # shows e4b's on a CPU (bench/step_profile.py).
+    "tiny-e4b-42": dict(
+        model_type="gemma4_text", hidden_size=64, num_hidden_layers=42, intermediate_size=128,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+        rms_norm_eps=1e-6, vocab_size=256, vocab_size_per_layer_input=256,
+        num_kv_shared_layers=18, hidden_size_per_layer_input=8, sliding_window=16,
+        layer_types=_E4B_TYPES, final_logit_softcapping=30.0, tie_word_embeddings=True,
+    ),
     # Gemma-4 e4b (mlx-community/gemma-4-e4b-it-4bit) text geometry, for memory benchmarks.
     "e4b": dict(
         model_type="gemma4_text", hidden_size=2560, num_hidden_layers=42,
