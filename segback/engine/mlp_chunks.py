@@ -19,9 +19,9 @@ from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
-from segback.engine.stack import has_dropout
+from segback.engine.stack import binder, has_dropout
 
 
 def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -35,12 +35,11 @@ def checkpointed(mlp: nn.Module, call, x: mx.array, chunk: int, seed: int | None
     in the recompute alike; None leaves the stream alone and runs the forward whole.
     """
     flat = tree_flatten(mlp.trainable_parameters())
-    keys = [k for k, _ in flat]
+    bind = binder(mlp, [k for k, _ in flat])
     spans = _chunks(x.shape[1], chunk)
 
     def run(x_part: mx.array, leaves: Sequence[mx.array], t: int | None) -> mx.array:
-        if keys:
-            mlp.update(tree_unflatten(list(zip(keys, leaves))), strict=False)
+        bind(leaves)
         if seed is not None and t is not None:
             mx.random.seed(seed + t)
         return call(mlp, x_part)
@@ -63,14 +62,12 @@ def checkpointed(mlp: nn.Module, call, x: mx.array, chunk: int, seed: int | None
             _, (dx, *dl) = mx.vjp(lambda xt, *lv, t=t: run(xt, lv, t), [x_t, *leaves], [c_t])
             grads = [g + d.astype(mx.float32) for g, d in zip(grads, dl)]
             dxs.append(dx)
-        if keys:
-            mlp.update(tree_unflatten(list(zip(keys, leaves))), strict=False)
+        bind(leaves)
         dx = dxs[0] if len(dxs) == 1 else mx.concatenate(dxs, axis=1)
         return (dx, *[g.astype(p.dtype) for g, p in zip(grads, leaves)])
 
     out = forward(x, *[v for _, v in flat])
-    if keys:  # the forward bound its (traced) leaves: put the caller's back
-        mlp.update(tree_unflatten(flat), strict=False)
+    bind([v for _, v in flat])  # the forward bound its (traced) leaves: put the caller's back
     return out
 
 

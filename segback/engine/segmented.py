@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from segback.engine.attention import use_chunked_attention
 from segback.engine.head import head_vjp
@@ -115,6 +115,7 @@ def _value_and_grad(model, stack, batch, lengths, segs, opts: EngineOptions, chu
 
 def _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed):
     per_layer, outer = _split_trainable(model, stack)
+    binders = [binder(layer, list(per_layer[i])) for i, layer in enumerate(stack.layers)]
     packed = is_packed(lengths)
     lengths_np = lengths if packed else np.array(lengths).reshape(-1, 2)
     inputs = batch[:, :-1]
@@ -178,9 +179,7 @@ def _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed):
             kv_in = {d: (next(it), next(it)) for d in reads} | const_kv
             leaves = list(it)
             for i in range(a, b):
-                own = [(key, v) for (j, key), v in zip(keys, leaves) if j == i]
-                if own:
-                    stack.layers[i].update(tree_unflatten(own), strict=False)
+                binders[i]([v for (j, _), v in zip(keys, leaves) if j == i])
             mx.random.seed(seed + k)
             h_out, kv_out = stack.run(a, b, h_in, masks, pli, kv_in, makes)
             return [h_out, *[t for d in makes for t in kv_out[d]]]
@@ -202,8 +201,7 @@ def _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed):
         for (i, key), g in zip(keys, it):
             grads_flat[f"{stack.layers_path}.{i}.{key}"] = g
         for i in range(a, b):  # put the untraced leaves back
-            if per_layer[i]:
-                stack.layers[i].update(tree_unflatten(list(per_layer[i].items())), strict=False)
+            binders[i](list(per_layer[i].values()))
         boundaries[k] = None
         for d in makes:
             d_kv.pop(d)
@@ -235,6 +233,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
     inside it, then walks its layers in reverse, each layer's VJP tile by tile.
     """
     per_layer, outer = _split_trainable(model, stack)
+    binders = [binder(layer, list(per_layer[i])) for i, layer in enumerate(stack.layers)]
     lengths_np = np.array(lengths).reshape(-1, 2)
     inputs = batch[:, :-1]
     L = inputs.shape[1]
@@ -325,8 +324,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
             dh, dpli, d_shared, grads = layer_vjp(
                 call(i, kv_saved, then), inner.pop(), dh, leaves(i), d_kv.pop(i, None)
             )
-            if per_layer[i]:
-                stack.layers[i].update(tree_unflatten(list(per_layer[i].items())), strict=False)
+            binders[i](list(per_layer[i].values()))
             for key, g in zip(keys, grads):
                 grads_flat[f"{stack.layers_path}.{i}.{key}"] = g
             if d_shared is not None:
