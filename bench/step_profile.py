@@ -25,11 +25,19 @@ import mlx.core as mx
 
 from segback.bench import append_rows, with_provenance
 from segback.engine import options as engine_options
+from segback.engine.memory import memory_stats
 from segback.ops_per_buffer import limit_ops_per_buffer
 from segback.planner.cli import SEARCHED
 from segback.planner.measure import parse_measure
 
 PHASES = ("forward", "head", "backward")
+
+
+def _segments(value: str) -> str | int:
+    """--segments: "auto" or a number of layers a segment."""
+    if value == "auto" or value.isdigit():
+        return value if value == "auto" else int(value)
+    raise argparse.ArgumentTypeError(f"auto or a number of layers, not {value!r}")
 
 
 class Clock:
@@ -65,7 +73,7 @@ class Clock:
                     self.said = now
                     print(f"step_profile: {now - self.start:.1f} s, {self.phase}, "
                           f"{self.evals[self.phase]} evaluations, peak "
-                          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr, flush=True)
+                          f"{memory_stats()['peak_gb']:.2f} GB", file=sys.stderr, flush=True)
         return wrapper
 
 
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-gb", type=float, default=None)
     p.add_argument("--tile", default="auto", help="as `segback plan --tile` (default: auto)")
     p.add_argument("--offload", default="auto", help="as `segback plan --offload`")
-    p.add_argument("--segments", default="auto",
+    p.add_argument("--segments", type=_segments, default="auto",
                    help="auto (the planner's cut) or N layers per segment, as `segback bench "
                    "--segments` (then --tile and --offload must be given, not auto)")
     p.add_argument("--measure", type=parse_measure, default=0, metavar="N",
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from segback.engine import memory_stats, reset_peak
+    from segback.engine import reset_peak
     from segback.models.dequant_linear import use_dequantized_matmul
     from segback.models.geometry import build_model
     from segback.planner import plan_segments
@@ -144,13 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     linear_to_lora_layers(model, len(model.layers), {"rank": 8, "scale": 20.0, "dropout": 0.0})
     if args.quant_bits:
         use_dequantized_matmul(model)
-    if args.segments != "auto" and not args.segments.isdigit():
-        p.error(f"--segments must be auto or a number of layers, not {args.segments!r}")
     plan = plan_segments(model, args.seq, target_gb=args.target_gb, tile=args.tile,
                          offload=args.offload,
                          options=engine_options.from_args(args, skip=SEARCHED),
                          measure=args.measure,
-                         segments=None if args.segments == "auto" else int(args.segments))
+                         segments=None if args.segments == "auto" else args.segments)
     mx.random.seed(0)
     batch = mx.random.randint(0, model.args.vocab_size, (1, args.seq + 1))
     lengths = [[0, args.seq]]

@@ -324,7 +324,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
             dh, dpli, d_shared, grads = layer_vjp(
                 call(i, kv_saved, then), inner.pop(), dh, leaves(i), d_kv.pop(i, None)
             )
-            binders[i](list(per_layer[i].values()))
+            binders[i](leaves(i))
             for key, g in zip(keys, grads):
                 grads_flat[f"{stack.layers_path}.{i}.{key}"] = g
             if d_shared is not None:

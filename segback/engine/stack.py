@@ -31,7 +31,8 @@ def has_dropout(module: nn.Module) -> bool:
 
 def binder(module: nn.Module, keys: list[str]) -> Callable[[list[mx.array]], None]:
     """A function that puts values of `module`'s leaves at `keys` (dotted paths, as
-    `tree_flatten` names them) into it, as `module.update(..., strict=False)` would.
+    `tree_flatten` names them) into it, as `module.update(...)` would; a key the module does
+    not have is a KeyError, not skipped.
 
     It walks each path and assigns: the engine binds a layer's leaves once per tile, and
     `update`'s tree rebuilding costs more host time than a tile's graph. Paths are walked at
