@@ -39,7 +39,10 @@ def plans(rows: list[dict]) -> list[dict]:
     for r in rows:
         base = dict(seq=r["seq"], batch=r.get("batch", 1), target=r.get("target_gb"),
                     attention=r.get("attention") or "fused", host_table=r.get("host_table"),
-                    run=r.get("run"))
+                    run=r.get("run"),
+                    # rows before the fast kernels ran mlx-lm's composed attention (fused) and
+                    # the chunked kernel (tiled)
+                    fast_kernels=bool(r.get("fast_kernels", False)))
         found = [dict(tile=m["tile"], offload=bool(m["offload"]), mlp_chunk=m.get("mlp_chunk"),
                       segments=m["segments"], kept=m.get("boundaries_on_device"),
                       peak_gb=m["peak_gb"])
@@ -50,7 +53,7 @@ def plans(rows: list[dict]) -> list[dict]:
         parked = False  # rows before the option: the first offloaded plan parks it for good
         for f in found:
             p = base | f
-            if p["tile"]:
+            if p["tile"] and not p["fast_kernels"]:
                 p["attention"] = "chunked"
             if p["host_table"] is None:
                 parked = parked or p["offload"]
@@ -68,7 +71,7 @@ def predict(geom, p: dict, activation: float) -> float:
         return CostModel(geom, p["seq"], p["batch"], p["attention"], coef, p["tile"],
                          p["offload"], None, boundaries_on_device=kept,
                          host_table=p["host_table"],
-                         mlp_chunk=p["mlp_chunk"])
+                         mlp_chunk=p["mlp_chunk"], fast_kernels=p["fast_kernels"])
 
     then = model(Coefficients() if p["run"] in ANALYTIC_TILED else
                  Coefficients(activation=activation))

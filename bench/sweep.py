@@ -220,6 +220,49 @@ CONFIGS += [
             _e4b(131072, 0, *AUTO, "--measure", "0", "--target-gb", "24", timeout=900),
             _e4b(16384, 0, *AUTO, "--measure", "0", "--target-gb", "24", timeout=300))),
 ]
+
+# --- the fast path (fused attention kernels in every engine path): kernels, exactness, defaults
+LLAMA8B = ("--model", "llama3.1-8b", "--quant-bits", "4")
+ATTN = ("bench/attention_bench.py", "--device", "gpu", "--dtype", "bfloat16", "--repeats", "2")
+E4B_HEADS = ("--heads", "8", "--kv-heads", "2")
+LLAMA_HEADS = ("--heads", "32", "--kv-heads", "8", "--head-dim", "128")
+
+
+def _llama(seq: int, steps: int, *flags: str, timeout: int = 300) -> tuple[str, ...]:
+    return (*LLAMA8B, "--seq", str(seq), "--steps", str(steps), *flags, "--timeout", str(timeout))
+
+
+CONFIGS += [
+    Config("attn-kernels", "h200",
+           "attention forward+backward per kernel (fused dispatch, MLX's own, segback's flash, "
+           "chunked): time, peak, TFLOP/s, hw_fraction, and errors against a float32 reference "
+           "up to 8K; e4b's heads at head dims 256 / 512 (causal, 512-token window), Llama-8B's "
+           "at 128 (causal, 4096-token window, 8191 tokens: MLX's padded path), packed rows",
+           ((*ATTN, *E4B_HEADS, "--head-dim", "256", "--windows", "0", "512", "--lengths",
+             "8192", "32768", "--paths", "fused", "chunked", "--check-max-len", "8192"),
+            (*ATTN, *E4B_HEADS, "--head-dim", "512", "--windows", "0", "--lengths", "8192",
+             "32768", "--paths", "fused", "chunked", "--check-max-len", "8192"),
+            (*ATTN, *LLAMA_HEADS, "--windows", "0", "4096", "--lengths", "8191", "32768",
+             "--paths", "fused", "mlx", "flash", "chunked", "--check-max-len", "8191"),
+            (*ATTN, *E4B_HEADS, "--head-dim", "256", "--windows", "0", "--lengths", "8192",
+             "--packed", "1024", "--paths", "fused", "chunked", "--check-max-len", "8192"))),
+    Config("fast-path-8k", "h200",
+           "the engine's loss and LoRA gradients with fused attention against chunked, untiled "
+           "and tiled (tile 2048), Llama-8B and e4b geometries at 8K, 4 layers a segment",
+           (("bench/fast_path_check.py", "--models", "llama3.1-8b", "e4b", "--seq", "8192"),)),
+    Config("fast-defaults", "h200",
+           "the defaults (--segments auto --tile auto --offload auto, the planner timing its "
+           "candidates) against mlx-lm ckpt on the same card: Llama-8B 8K at G = 16 and 32K at "
+           "G = 24, e4b 8K at G = 8",
+           (_llama(8191, 2, "--modes", "ckpt"),
+            _llama(8192, 2, *DEFAULTS, "--target-gb", "16"),
+            _llama(32768, 1, *DEFAULTS, "--target-gb", "24", timeout=400),
+            _e4b(8191, 2, "--modes", "ckpt"),
+            _e4b(8192, 2, *DEFAULTS, "--target-gb", "8", timeout=300))),
+    Config("fast-128k", "h200",
+           "e4b at 128K with the defaults at G = 24 (145.8 s a step before the fast path)",
+           (_e4b(131072, 0, *DEFAULTS, "--target-gb", "24", timeout=900),)),
+]
 BY_NAME = {c.name: c for c in CONFIGS}
 GROUPS = {
     "h200": [c.name for c in CONFIGS if c.machine == "h200" and not c.name.startswith(
@@ -227,14 +270,18 @@ GROUPS = {
     "h200-untiled": [c.name for c in CONFIGS if c.name.startswith(("untiled", "chunked"))],
     "h200-eqmem": ["eqmem-2k", "eqmem-8k", "auto-8k-dq", "eqmem-2k-16"],
     "h200-defaults": ["defaults-dq", "defaults-ops", "planner-long"],
+    "fast-path": ["attn-kernels", "fast-path-8k", "fast-defaults", "fast-128k"],
     "cpu": ["cpu-table", "cpu-chunked", "cpu-tiled", "cpu-e4b-slice"],
     "smoke": ["cpu-smoke", "cpu-smoke-tiled"],
 }
 
 
 def command(args: tuple[str, ...], name: str, out: str, run: str | None) -> list[str]:
-    """The `segback bench` arguments of one invocation, tagged and appending to `out`."""
+    """One invocation's arguments, tagged and appending to `out`: `segback bench`'s, or a bench
+    script's (`args` starting with its path)."""
     tags = ["--config-name", name, "--out", out] + (["--run", run] if run else [])
+    if args[0].endswith(".py"):
+        return [*args, *tags]
     return ["bench", *args, *tags]
 
 
@@ -280,12 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         for bench_args in c.commands:
             cmd = command(bench_args, c.name, args.out, None if args.dry_run else run)
-            print(shlex.join(["segback", *cmd]), flush=True)
+            script = cmd[0].endswith(".py")
+            print(shlex.join(["python" if script else "segback", *cmd]), flush=True)
             if args.dry_run:
                 continue
             tic = time.perf_counter()
-            rc = subprocess.run([sys.executable, "-m", "segback.cli", *cmd], cwd=Path.cwd()
-                                ).returncode
+            argv = [sys.executable, str(ROOT / cmd[0]), *cmd[1:]] if script else \
+                [sys.executable, "-m", "segback.cli", *cmd]
+            rc = subprocess.run(argv, cwd=Path.cwd()).returncode
             print(f"# {c.name}: exit {rc}, {time.perf_counter() - tic:.0f} s", flush=True)
             if rc:
                 failed.append(c.name)

@@ -22,7 +22,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 from segback.bench import append_rows, with_provenance
 from segback.engine import EngineOptions, tiled
 from segback.engine import options as engine_options
-from segback.engine.attention import use_chunked_attention
+from segback.engine.attention import use_attention
 from segback.engine.segmented import _split_trainable
 from segback.engine.stack import get_stack
 from segback.models.geometry import build_model
@@ -35,19 +35,19 @@ NOT_A_LAYER = ("attention", "offload", "boundaries_on_device", "prefetch", "head
 def probe_attention_backward(record: list) -> None:
     """Wrap the tiled engine's attention backward: what is alive when it starts (the layer's
     whole-sequence arrays so far) and the peak during it, both in MB above the caller's base."""
-    inner = tiled.attention_backward
+    inner = tiled.core_backward
 
-    def wrapped(q, k, v, o, do, *args, **kw):
-        pieces = [x for r in (do, kw.get("delta")) for x in getattr(r, "pieces", [])]
+    def wrapped(q, k, v, saved, do, delta, *args, **kw):
+        pieces = [x for r in (do, delta) for x in getattr(r, "pieces", [])]
         mx.eval(q, k, v, pieces)
         before, start = mx.get_peak_memory(), mx.get_active_memory()
         mx.reset_peak_memory()
-        dq, dk, dv = inner(q, k, v, o, do, *args, **kw)
+        dq, dk, dv = inner(q, k, v, saved, do, delta, *args, **kw)
         mx.eval(getattr(dq, "pieces", dq), dk, dv)
         record.append((before, start, mx.get_peak_memory(), mx.get_active_memory()))
         return dq, dk, dv
 
-    tiled.attention_backward = wrapped
+    tiled.core_backward = wrapped
 
 
 def main() -> None:
@@ -87,7 +87,7 @@ def main() -> None:
         dh = (mx.random.normal((1, L, width)) * 1e-3).astype(dtype)
         pli = (mx.random.normal((1, L, pli_width)) * 0.1).astype(dtype) if pli_width else None
         mx.eval(model.parameters(), h, dh, pli)
-        with use_chunked_attention([stack.module]):
+        with use_attention([stack.module]):
             call = tiled.LayerCall(stack, i, stack.masks(h, True)[kind], opts.tile, keys, pli,
                                    None, True, opts.compile, light_tile=opts.light_tile,
                                    share_traces=opts.share_traces,

@@ -27,7 +27,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 from segback.bench import append_rows, with_provenance
 from segback.engine import EngineOptions, offload, tiled
 from segback.engine import options as engine_options
-from segback.engine.attention import use_chunked_attention
+from segback.engine.attention import use_attention
 from segback.engine.segmented import _split_trainable
 from segback.engine.stack import binder, get_stack
 from segback.models.geometry import build_model
@@ -141,11 +141,11 @@ def main() -> None:
             emit({**meta, "layer": i, "kind": kind, "path": "mlx-lm",
                   "forward_ms": round(1e3 * fwd, 2), "vjp_ms": round(1e3 * vjp, 2),
                   "layer_ms": round(1e3 * (fwd + vjp), 2)}, args)
-        with use_chunked_attention([stack.module]):
-            saved = (tiled._pre, tiled.attention_forward, tiled.attention_backward)
+        with use_attention([stack.module]):
+            saved = (tiled._pre, tiled.core_forward, tiled.core_backward)
             tiled._pre = timed("pre", tiled._pre)
-            tiled.attention_forward = timed("attn_fwd", tiled.attention_forward)
-            tiled.attention_backward = timed("attn_bwd", tiled.attention_backward)
+            tiled.core_forward = timed("attn_fwd", tiled.core_forward)
+            tiled.core_backward = timed("attn_bwd", tiled.core_backward)
             try:
                 for tile in args.tiles:
                     for depth in args.tiles_in_flight:
@@ -168,7 +168,7 @@ def main() -> None:
                               "vjp_ms": round(1e3 * vjp, 2),
                               "layer_ms": round(1e3 * (fwd + vjp), 2), **split}, args)
             finally:
-                tiled._pre, tiled.attention_forward, tiled.attention_backward = saved
+                tiled._pre, tiled.core_forward, tiled.core_backward = saved
 
 
 def engine_fields(opts: EngineOptions) -> dict:

@@ -243,6 +243,14 @@ def run_worker(args) -> dict:
                tokens_per_s=round(rows * seq / sec, 1), steps=args.steps)
     geom = read_geometry(model, args.lora_rank, None if args.lora_layers < 0 else args.lora_layers,
                          dtype, args.model)
+    if mode == "segmented":  # which attention kernel each layer ran
+        from collections import Counter
+
+        from segback.planner.cost import CostModel
+
+        cost = CostModel(geom, L, B, opts.attention, tile=opts.tile, mlp_chunk=opts.mlp_chunk)
+        row["fast_kernels"] = cost.fast_kernels
+        row["attention_kernels"] = dict(Counter(cost.kernel(g) for g in geom.layers))
     counted = lengths if isinstance(lengths, Packed) else np.array(lengths)
     loss_tokens = int(loss_mask(counted, batch.shape[1]).sum())
     row.update(throughput(geom, seq, rows, mode, plan, loss_tokens, rows * seq / sec,

@@ -15,7 +15,7 @@ from segback.engine.attention import (
     chunked_sdpa,
     default_chunk_size,
     sdpa_for_mlx_lm,
-    use_chunked_attention,
+    use_attention,
 )
 from segback.models.geometry import build_model
 
@@ -158,7 +158,7 @@ def test_patch_is_exact_on_mlx_lm_models(geometry, module):
     want_logits = model(tokens)
     want_loss, want_grads = grad_fn(model, tokens)
     original = module.scaled_dot_product_attention
-    with use_chunked_attention([module], chunk_size=16):
+    with use_attention([module], chunk_size=16):
         assert module.scaled_dot_product_attention is not original
         got_logits = model(tokens)
         got_loss, got_grads = grad_fn(model, tokens)

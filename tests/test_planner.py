@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from segback.engine import memory, value_and_grad
-from segback.engine.attention import use_chunked_attention
+from segback.engine.attention import use_attention
 from segback.engine.options import EngineOptions
 from segback.engine.memory import GB
 from segback.models.geometry import build_model, geometry_config
@@ -158,7 +158,7 @@ def measured_step_bytes(model, seq_len, segments, attention="fused"):
     """Peak above resting of one engine step (loss + grads), as MLX counts live buffers."""
     if attention == "chunked":
         layer_module = sys.modules[type(model.layers[0]).__module__]
-        with use_chunked_attention([layer_module]):
+        with use_attention([layer_module]):
             return measured_step_bytes(model, seq_len, segments)
     mx.random.seed(0)
     batch = mx.random.randint(0, model.args.vocab_size, (1, seq_len + 1))
@@ -211,7 +211,7 @@ def test_tiled_prediction_matches_engine(name, tile, offload, segments):
         plan = plan_segments(model, seq_len, tile=tile, offload=offload, segments=segments)
         validate(plan)
         engine = plan.engine
-        assert (engine.attention, engine.tile, engine.offload) == ("chunked", tile, offload)
+        assert (engine.attention, engine.tile, engine.offload) == ("fused", tile, offload)
         bd = plan.breakdown
         predicted = (plan.predicted_peak_gb - bd["weights"] - bd["lora_optimizer"]) * GB
         measured = measured_step_bytes(model, seq_len, plan)  # the engine reads tile/offload

@@ -13,6 +13,10 @@ O(chunk x (chunk + window)) (sliding), and a sliding layer does O(L x window) wo
   kernel instead (`fused_forward`), by default only on Metal, whose kernel is flash-style.
 - Chunks run strictly in order (`mx.depends`), else MLX's scheduler may start many at once.
   dK/dV accumulate in float32; matmuls run in the input dtype, softmax and dS in float32.
+- `attention="fused"` (the default) takes the fastest exact kernel per call (`fused_sdpa`): on
+  CUDA, MLX's own fused kernel where it runs forward and backward fused (causal, head dim <= 128,
+  16-bit), segback's flash kernel (`segback.engine.flash`) for the rest (head dims 256 and 512,
+  sliding windows, packed examples); elsewhere mlx-lm's own path.
 - On CUDA, buffers live until the CUDA graph that used them has run, and mlx batches 20 ops per
   graph by default: several chunks' scores stay alive at once. `MLX_MAX_OPS_PER_BUFFER=4` (set
   before mlx starts; segback's CLI sets it on CUDA, `segback/ops_per_buffer.py`) or
@@ -32,6 +36,8 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base as _base
+
+from segback.engine import flash
 
 # mlx-lm's own function, captured before any patching: the fallback for what we do not handle.
 _MLX_SDPA = _base.scaled_dot_product_attention
@@ -55,6 +61,10 @@ class Blocks:
         change[:, 1:] = segments[:, 1:] != segments[:, :-1]
         idx = np.where(change, np.arange(L)[None], 0)
         self.first = np.maximum.accumulate(idx, axis=1).min(axis=0)  # over the rows
+        end = np.ones((B, L), bool)
+        end[:, :-1] = segments[:, 1:] != segments[:, :-1]
+        idx = np.where(end, np.arange(L)[None], L - 1)
+        self.last = np.minimum.accumulate(idx[:, ::-1], axis=1)[:, ::-1].max(axis=0)
         self.mean_length = L / max(int(change.sum(axis=1).max()), 1)
 
     def mask(self, q0: int, q1: int, k0: int, k1: int, window: int | None) -> mx.array:
@@ -380,6 +390,104 @@ def chunked_sdpa(
     return _cached_chunked(float(scale), window, int(chunk), fused)(queries, keys, values)
 
 
+# MLX's fused VJP on CUDA runs only for query lengths that are a multiple of its tile.
+MLX_FUSED_TILE = 128
+
+
+def mlx_fused_covers(queries: mx.array, keys: mx.array, window: int | None,
+                     blocks: Blocks | None) -> bool:
+    """Whether MLX's own fused attention runs this training call fused in both directions (on
+    CUDA: cuDNN for causal masks, head dims up to 128 in multiples of 8, 16-bit inputs); what
+    it does not cover it runs composed, scoring every key into [L, L] arrays."""
+    D = queries.shape[-1]
+    return (flash.available() and window is None and blocks is None and D <= 128 and D % 8 == 0
+            and keys.shape[-1] == D and queries.dtype in (mx.bfloat16, mx.float16)
+            and queries.shape[2] == keys.shape[2])
+
+
+def fused_kernel(queries: mx.array, keys: mx.array, window: int | None = None,
+                 blocks: Blocks | None = None) -> str:
+    """The kernel `attention="fused"` runs for this call: "mlx" (MLX's fused), "flash"
+    (segback's, CUDA), or "composed" (mlx-lm's own path with its mask array)."""
+    if window is not None and window >= keys.shape[2]:
+        window = None
+    if mlx_fused_covers(queries, keys, window, blocks):
+        return "mlx"
+    if flash.supports(queries, keys):
+        return "flash"
+    return "composed"
+
+
+def mlx_causal(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """MLX's fused causal attention, the sequence zero-padded to a multiple of MLX_FUSED_TILE:
+    causal, so no real query sees a padded key, and the padded queries, sliced off, send back
+    no cotangent (their dS is exactly zero)."""
+    L = queries.shape[2]
+    pad = -L % MLX_FUSED_TILE
+    if pad:
+        widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
+        queries, keys, values = (mx.pad(x, widths) for x in (queries, keys, values))
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+    return out[:, :, :L] if pad else out
+
+
+def fused_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+               mask: MaskSpec) -> mx.array:
+    """Attention through the fastest exact kernel for this call (`fused_kernel`)."""
+    window = mask.window if mask.kind == "sliding" else None
+    kernel = fused_kernel(queries, keys, window, mask.blocks)
+    if kernel == "mlx":
+        return mlx_causal(queries, keys, values, scale)
+    if kernel == "flash":
+        return flash.flash_attention(queries, keys, values, scale, window, mask.blocks)
+    return _MLX_SDPA(queries, keys, values, cache=None, scale=scale,
+                     mask=mask.to_mlx(queries.shape[2], keys.shape[2]))
+
+
+def fused_routed() -> bool:
+    """Whether `attention="fused"` goes through segback's dispatch (CUDA, where MLX's fused
+    kernel leaves cases out); elsewhere mlx-lm's own attention runs unrouted."""
+    return flash.available()
+
+
+def core_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                 mask: MaskSpec, kind: str) -> tuple[mx.array, Any]:
+    """A whole sequence's attention output for the tiled engine, and what `core_backward` needs
+    of the forward besides Q, K, V (the flash kernel's row LSE). `kind` is the engine option
+    ("fused" or "chunked"); where no fused kernel covers the call, it runs chunked (the tiled
+    engine never materializes a mask)."""
+    B, H, L, _ = queries.shape
+    window = mask.window if mask.kind == "sliding" else None
+    if kind == "fused":
+        kernel = fused_kernel(queries, keys, window, mask.blocks)
+        if kernel == "mlx":
+            return mlx_causal(queries, keys, values, scale), "mlx"
+        if kernel == "flash":
+            return flash.flash_forward(queries, keys, values, scale, window, mask.blocks)
+    window, chunk = attention_shape(B, H, L, keys.shape[2], window)
+    return attention_forward(queries, keys, values, scale, window, chunk, mask.blocks), None
+
+
+def core_backward(queries: mx.array, keys: mx.array, values: mx.array, saved: Any,
+                  d_output: Rows, delta: Rows, scale: float, mask: MaskSpec
+                  ) -> tuple[Rows, mx.array, mx.array]:
+    """(dQ as `Rows`, dK, dV) of `core_forward`, from dO and rowsum(dO * O) kept in pieces."""
+    B, H, L, _ = queries.shape
+    window = mask.window if mask.kind == "sliding" else None
+    if saved is None:
+        window, chunk = attention_shape(B, H, L, keys.shape[2], window)
+        return attention_backward(queries, keys, values, None, d_output, scale, window, chunk,
+                                  delta=delta, dq_rows=True, blocks=mask.blocks)
+    do = d_output(0, L)
+    if isinstance(saved, str):  # MLX's kernel: its VJP recomputes the forward (with its LSE)
+        _, (dq, dk, dv) = mx.vjp(lambda q, k, v: mlx_causal(q, k, v, scale),
+                                 [queries, keys, values], [do])
+    else:
+        dq, dk, dv = flash.flash_backward(queries, keys, values, None, saved, do, scale,
+                                          window, mask.blocks, delta=delta(0, L))
+    return Rows([dq]), dk, dv
+
+
 def _is_causal_string(mask: Any) -> bool:
     return isinstance(mask, str) and mask == "causal"
 
@@ -393,12 +501,14 @@ def sdpa_for_mlx_lm(
     mask: mx.array | str | MaskSpec | None,
     sinks: mx.array | None = None,
     *,
+    kind: str = "chunked",
     chunk_size: int | None = None,
 ) -> mx.array:
     """`mlx_lm.models.base.scaled_dot_product_attention` with the O(L) backward where it applies.
 
     Training calls (no KV cache, no sinks) with mask "causal" or a `MaskSpec` go to
-    `chunked_sdpa`. Everything else keeps mlx-lm's path (a `MaskSpec` made into mlx-lm's mask):
+    `chunked_sdpa` (`kind="chunked"`) or `fused_sdpa`
+    (`kind="fused"`). Everything else keeps mlx-lm's path (a `MaskSpec` made into mlx-lm's mask):
     inference with a cache, attention sinks, explicit mask arrays (which we cannot read without
     evaluating them) and `mask=None`.
     """
@@ -410,6 +520,9 @@ def sdpa_for_mlx_lm(
         if isinstance(mask, MaskSpec):
             mask = mask.to_mlx(queries.shape[2], keys.shape[2])
         return _MLX_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    if kind == "fused":
+        spec = mask if isinstance(mask, MaskSpec) else MaskSpec("causal")
+        return fused_sdpa(queries, keys, values, scale, spec)
     window = mask.window if isinstance(mask, MaskSpec) and mask.kind == "sliding" else None
     blocks = mask.blocks if isinstance(mask, MaskSpec) else None
     return chunked_sdpa(queries, keys, values, scale, window=window, chunk_size=chunk_size,
@@ -417,10 +530,11 @@ def sdpa_for_mlx_lm(
 
 
 @contextlib.contextmanager
-def use_chunked_attention(
-    modules: Sequence[ModuleType | str], chunk_size: int | None = None
+def use_attention(
+    modules: Sequence[ModuleType | str], kind: str = "chunked", chunk_size: int | None = None
 ) -> Iterator[None]:
-    """Route the given mlx-lm model modules' attention through `sdpa_for_mlx_lm`, then restore.
+    """Route the given mlx-lm model modules' attention through `sdpa_for_mlx_lm` (`kind`:
+    "chunked" or "fused"), then restore.
 
     mlx-lm model files import `scaled_dot_product_attention` from `.base` by name, so the name is
     swapped in each module (e.g. `mlx_lm.models.llama`, or the string "mlx_lm.models.llama").
@@ -429,7 +543,7 @@ def use_chunked_attention(
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         return sdpa_for_mlx_lm(
-            queries, keys, values, cache, scale, mask, sinks, chunk_size=chunk_size
+            queries, keys, values, cache, scale, mask, sinks, kind=kind, chunk_size=chunk_size
         )
 
     saved = [(m, m.scaled_dot_product_attention) for m in mods]

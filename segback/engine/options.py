@@ -29,8 +29,10 @@ def _help(text: str, **meta: Any) -> dict:
 @dataclass(frozen=True)
 class EngineOptions:
     attention: str = field(default="fused", metadata=_help(
-        "attention kernel: 'fused' (mx.fast, O(L^2) backward) or 'chunked' (O(L) backward); "
-        "tiled layers always run chunked", choices=ATTENTION))
+        "attention kernel: 'fused' (the fastest exact kernel per layer: on CUDA MLX's fused "
+        "kernel or segback's flash kernel, both O(L); elsewhere mlx-lm's own, whose backward "
+        "is O(L^2) and which tiled layers replace by the chunked one) or 'chunked' (segback's "
+        "O(L) kernel of MLX ops)", choices=ATTENTION))
     tile: int | None = field(default=None, metadata=_help(
         "run each layer's token-wise parts this many tokens at a time (sequence-tiled "
         "engine); none = untiled", kind="tokens"))
@@ -80,8 +82,6 @@ class EngineOptions:
                     type(v) is int and v >= f.metadata.get("minimum", 0)):
                 raise OptionsError(f"{f.name} must be an integer >= "
                                    f"{f.metadata.get('minimum', 0)}, not {v!r}")
-        if self.tile and self.attention != "chunked":
-            object.__setattr__(self, "attention", "chunked")  # tiled layers attend chunked
         if self.light_tile is not None and not self.tile:
             raise OptionsError("light_tile needs a tile size (tile=...): it is part of the "
                                "tiled engine")

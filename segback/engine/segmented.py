@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from segback.engine.attention import use_chunked_attention
+from segback.engine.attention import fused_routed, use_attention
 from segback.engine.head import head_vjp
 from segback.engine.host_table import park_tables, parked_bytes
 from segback.engine.mlp_chunks import use_mlp_chunks
@@ -97,13 +97,15 @@ def value_and_grad(
                          "the tiled engine builds no block-diagonal masks; run it without "
                          "tile (a plan without tiles), or without packing")
     if opts.tile:
-        with use_chunked_attention([stack.module]):
+        with use_attention([stack.module]):
             return _value_and_grad_tiled(model, stack, batch, lengths, segs, opts, stats)
     if stats is not None:
         stats["host_gb"] = parked_bytes(model) / 1024**3
-    chunked = opts.attention == "chunked"
-    with use_chunked_attention([stack.module] if chunked else []):
-        return _value_and_grad(model, stack, batch, lengths, segs, opts, chunked=chunked)
+    # Routed calls get mask descriptors (no [L, L] arrays): chunked attention, and fused
+    # attention where segback picks the kernel per layer (CUDA).
+    routed = opts.attention == "chunked" or fused_routed()
+    with use_attention([stack.module] if routed else [], opts.attention):
+        return _value_and_grad(model, stack, batch, lengths, segs, opts, chunked=routed)
 
 
 def _value_and_grad(model, stack, batch, lengths, segs, opts: EngineOptions, chunked=False):
@@ -275,7 +277,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
                          pli, kv[src] if src != i else None, need_input_grad, opts.compile,
                          seed=seed + 100_003 * i, light_tile=opts.light_tile,
                          share_traces=opts.share_traces, in_flight=opts.tiles_in_flight,
-                         dropout=dropout[i])
+                         dropout=dropout[i], kind=opts.attention)
 
     def leaves(i: int) -> list[mx.array]:
         return list(per_layer[i].values())

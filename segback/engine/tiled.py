@@ -2,7 +2,7 @@
 
 A decoder layer is token-wise except for its attention core. mlx-lm's own layer runs unchanged
 on a tile of tokens [t0, t1) with a `TileCache` in place of its KV cache: the cache gives RoPE the
-tile's position offset, and the attention call (routed here by `use_chunked_attention`) goes to
+tile's position offset, and the attention call (routed here by `use_attention`) goes to
 the cache, which either records the tile's queries and the layer's own keys/values (the *pre*
 pass) or returns the tile's rows of an attention output computed over the whole sequence (the
 *post* pass). Nothing of the layer's code is copied.
@@ -36,13 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from segback.engine.attention import (
-    MaskSpec,
-    Rows,
-    attention_backward,
-    attention_forward,
-    attention_shape,
-)
+from segback.engine.attention import MaskSpec, Rows, core_backward, core_forward
 from segback.engine.stack import Stack, binder, has_dropout
 
 KV = tuple[mx.array, mx.array]
@@ -242,6 +236,7 @@ class LayerCall:
     # layer runs eager); None: look. The engine looks once a step: a look walks the layer's
     # modules, which costs more host time than a tile's graph on a GPU.
     dropout: bool | None = None
+    kind: str = "chunked"  # the attention engine option: "fused" or "chunked"
 
     def reseed(self, t: int, part: int) -> None:
         """Dropout stream of tile t's pre (0) or post (1) pass, the same in forward and VJP."""
@@ -284,9 +279,6 @@ class LayerCall:
         out = [] if self.per_layer is None else [self.per_layer[:, t0:t1]]
         return out + ([] if self.shared is None else list(self.shared))
 
-    def attention(self, B: int, H: int, L: int) -> tuple[int | None, int]:
-        window = self.mask.window if self.mask.kind == "sliding" else None
-        return attention_shape(B, H, L, L, window)
 
 
 class InFlight:
@@ -347,8 +339,7 @@ def layer_forward(call: LayerCall, h: mx.array, leaves: list[mx.array]
     B, L, _ = h.shape
     spans = tiles(L, call.light)
     q, k, v = _pre(call, h, spans, leaves)
-    window, chunk = call.attention(B, q.shape[1], L)
-    o = attention_forward(q, k, v, call.fns.scale, window, chunk)
+    o, _ = core_forward(q, k, v, call.fns.scale, call.mask, call.kind)
     mx.eval(o)
     del q
     outs = []
@@ -379,9 +370,8 @@ def layer_vjp(
     spans, light = tiles(L, call.tile), tiles(L, call.light)
     q, k, v = _pre(call, h, light, params)
     scale = call.fns.scale
-    window, chunk = call.attention(B, q.shape[1], L)
-    o = attention_forward(q, k, v, scale, window, chunk)
-    mx.eval(o)
+    o, saved = core_forward(q, k, v, scale, call.mask, call.kind)
+    mx.eval(o, saved if isinstance(saved, mx.array) else [])
 
     grads = [mx.zeros_like(p) for p in params]
     dhs, dos, deltas, dplis = [], [], [], []
@@ -406,10 +396,8 @@ def layer_vjp(
     del o, o_t  # the last tile's slice would keep all of O's buffer alive
     # dO, rowsum(dO * O) and dQ stay in their pieces: a concatenated copy beside them would be
     # one more [L, heads x head_dim] array at the layer's peak.
-    dq, dk, dv = attention_backward(
-        q, k, v, None, Rows(dos), scale, window, chunk, delta=Rows(deltas), dq_rows=True
-    )
-    del dos, deltas, q, k, v
+    dq, dk, dv = core_backward(q, k, v, saved, Rows(dos), Rows(deltas), scale, call.mask)
+    del dos, deltas, q, k, v, saved
     d_shared = None
     if call.owns_kv and d_own_kv is not None:
         dk, dv = dk + d_own_kv[0], dv + d_own_kv[1]

@@ -91,6 +91,15 @@ GEOMETRIES: dict[str, dict] = {
                                                  "full_attention"],
         final_logit_softcapping=30.0, tie_word_embeddings=True,
     ),
+    # Llama-3.1-8B's geometry (meta-llama/Llama-3.1-8B config.json), for GPU benchmarks.
+    "llama3.1-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192, rope_type="llama3"),
+        tie_word_embeddings=False,
+    ),
     # A small dense model with a real-sized vocabulary, for CPU benchmarks in minutes.
     "dense-256": dict(
         model_type="llama", hidden_size=256, num_hidden_layers=8, intermediate_size=768,

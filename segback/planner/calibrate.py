@@ -105,10 +105,10 @@ def _attention_mode(model: nn.Module, attention: str) -> Iterator[None]:
     if attention != "chunked":
         yield
         return
-    from segback.engine.attention import use_chunked_attention
+    from segback.engine.attention import use_attention
 
     layer = text_parts(model)[0].model.layers[0]
-    with use_chunked_attention([sys.modules[type(layer).__module__]]):
+    with use_attention([sys.modules[type(layer).__module__]]):
         yield
 
 

@@ -57,6 +57,19 @@ TILE_OVERHEAD_TOKENS = 768
 # Backward/forward FLOP ratios: a frozen linear only needs dX (1x), attention needs dQ, dK, dV
 # and dP (2x) and chunked attention also recomputes its probabilities (3x).
 BWD_LINEAR, BWD_ATTN_FUSED, BWD_ATTN_CHUNKED = 1.0, 2.0, 3.0
+# The attention kernels a plan's layers run (`CostModel.kernel`): "composed" (MLX's unfused
+# path, every key scored into [L, L] arrays), "mlx" (MLX's fused kernel: cuDNN on CUDA),
+# "flash" (segback.engine.flash) and "chunked" (segback.engine.attention). Backward work in
+# units of the forward's: cuDNN recomputes S and P once (2.5x); the flash kernels compute
+# S and dP twice, in the dK/dV pass and the dQ pass (3.5x).
+BWD_ATTN = {"composed": BWD_ATTN_FUSED, "mlx": 2.5, "flash": 3.5, "chunked": BWD_ATTN_CHUNKED}
+FAST_KERNELS = ("mlx", "flash")
+FLASH_HEAD_DIMS = (64, 128, 256, 512)  # segback.engine.flash.HEAD_DIMS
+# Time of one attention FLOP relative to one FLOP of the layers' (quantized) linears, per kernel,
+# on CUDA (elsewhere every FLOP counts alike). From attention_bench and step rows on one H100
+# (bench/RESULTS.md): 4-bit linears run at about 0.19 of the bf16 matmul rate, MLX's fused
+# attention about 0.46, the chunked kernel about 0.03, the composed path about 0.15.
+ATTENTION_TIME_CUDA = {"mlx": 0.4, "flash": 0.8, "composed": 1.3, "chunked": 6.0}
 
 
 @dataclass
@@ -90,6 +103,12 @@ def device_coefficients() -> Coefficients:
     return Coefficients(activation=CUDA_ACTIVATION) if cuda else Coefficients()
 
 
+def _fast_kernels() -> bool:
+    from segback.engine.attention import fused_routed
+
+    return fused_routed()
+
+
 def _chunk_size(B: int, H: int, L: int, window: int | None) -> int:
     """The query chunk segback.engine.attention picks for this shape."""
     from segback.engine.attention import default_chunk_size
@@ -111,7 +130,7 @@ class CostModel:
                  tile: int | None = None, offload: bool = False,
                  light_tile: int | None = None, boundaries_on_device: int = 0,
                  prefetch: bool = False, host_table: bool | None = None,
-                 mlp_chunk: int | None = None):
+                 mlp_chunk: int | None = None, fast_kernels: bool | None = None):
         if attention not in ("fused", "chunked"):
             raise ValueError(f"attention must be 'fused' or 'chunked', not {attention!r}")
         if tile is not None and tile < 1:
@@ -122,9 +141,10 @@ class CostModel:
             raise ValueError("mlp_chunk is a positive number of tokens, for untiled plans only")
         if (light_tile and not tile) or (boundaries_on_device and not offload):
             raise ValueError("light_tile needs a tile size and boundaries_on_device needs offload")
-        if tile:
-            attention = "chunked"  # the tiled engine always runs chunked attention
         self.g, self.L, self.B, self.attention = geom, seq_len, batch_size, attention
+        # Whether attention="fused" runs the O(L) kernels (MLX's fused, segback's flash): the
+        # engine's choice on CUDA (None: as on the default device).
+        self.fast_kernels = _fast_kernels() if fast_kernels is None else bool(fast_kernels)
         self.tile, self.offload = (min(int(tile), seq_len) if tile else None), bool(offload)
         self.light = min(int(light_tile or tile), seq_len) if tile else None
         self.boundaries_on_device = int(boundaries_on_device)
@@ -170,6 +190,10 @@ class CostModel:
         tiled_layer_memory.py measures it): Q, dO, dQ, the own K, V, float32 dK/dV, their
         update copies and casts, rowsum(dO * O) and the post pass's dh."""
         s = self.g.dtype_bytes
+        if self.kernel(g) in FAST_KERNELS:  # dO concatenated once more, dK/dV in the input dtype
+            return float(self.B * self.L * (4 * g.q_width * s + 2 * g.kv_own * s
+                                             + 2 * g.kv_width * s + g.heads * 8)
+                         + self.hidden_bytes)
         return float(self.B * self.L * (3 * g.q_width * s + 2 * g.kv_own * s
                                          + 2 * g.kv_width * (8 + s) + g.heads * 4)
                      + self.hidden_bytes)
@@ -200,12 +224,33 @@ class CostModel:
             worst = max(worst, whole + max(light, attn / 2))
         return float(worst)
 
+    def window(self, g: LayerGeom) -> int | None:
+        return g.window if g.window is not None and g.window < self.L else None
+
+    def kernel(self, g: LayerGeom) -> str:
+        """The attention kernel layer `g` runs (BWD_ATTN's names), as the engine picks it
+        (`segback.engine.attention.fused_kernel`)."""
+        if self.attention == "chunked":
+            return "chunked"
+        return self.fast_kernel(g) or ("chunked" if self.tile else "composed")
+
+    def fast_kernel(self, g: LayerGeom) -> str | None:
+        """The O(L) fused kernel attention="fused" runs for layer `g`, if any."""
+        if not (self.fast_kernels and self.g.dtype_bytes == 2):
+            return None
+        if self.window(g) is None and g.head_dim <= 128 and g.head_dim % 8 == 0:
+            return "mlx"
+        return "flash" if g.head_dim in FLASH_HEAD_DIMS else None
+
     def _attention(self, g: LayerGeom) -> tuple[float, float]:
         """(kept until the layer's backward, transient during it) for one layer, in bytes."""
         B, L, s = self.B, self.L, self.g.dtype_bytes
-        if self.attention == "fused":
+        kernel = self.kernel(g)
+        if kernel == "composed":
             scores = B * g.heads * L * L * s
             return FUSED_RETAINED_COPIES * scores, FUSED_TRANSIENT_COPIES * scores
+        if kernel in FAST_KERNELS:
+            return self._fast_attention(g, kernel)
         window = g.window if g.window is not None and g.window < L else None
         chunk = _chunk_size(B, g.heads, L, window)
         visible = L if window is None else min(L, chunk + window - 1)
@@ -214,6 +259,20 @@ class CostModel:
             return 0.0, scores
         linear = B * L * (2 * g.kv_width * 4 + g.heads * g.head_dim * s)  # dK, dV f32 + dQ
         return 0.0, scores + linear
+
+    def _fast_attention(self, g: LayerGeom, kernel: str) -> tuple[float, float]:
+        """(kept, transient) bytes of an O(L) fused kernel: the row LSE (float32) is kept;
+        the backward holds dQ, dK, dV and rowsum(dO * O), cuDNN a float32 dQ too, and MLX's
+        kernel, padding the sequence to its 128-token tile, padded copies of Q, K, V, O."""
+        B, s = self.B, self.g.dtype_bytes
+        L = self.L + (-self.L % 128 if kernel == "mlx" else 0)
+        lse = B * g.heads * L * 4
+        padded = B * L * (2 * g.q_width + 2 * g.kv_width) * s if L != self.L else 0
+        extra = 0 if kernel == "flash" else B * L * g.q_width * 4 + padded
+        if self.tile:  # Q, dO, dQ, dK, dV, the LSE: counted in whole_sequence_bytes
+            return 0.0, float(extra)
+        grads = B * L * (g.q_width + 2 * g.kv_width) * s + lse
+        return float(lse + (padded if kernel == "mlx" else 0)), float(grads + extra)
 
     # --- memory ---------------------------------------------------------------------------
 
@@ -228,7 +287,9 @@ class CostModel:
             pli = 0.0 if self.offload else self.per_layer_input_bytes()
             return pli + float(sum(self.kv_bytes.values()))
         windows = {x.window for x in g.layers if x.window is not None and x.window < L}
-        masks = L * L * len(windows) if self.attention == "fused" else 0  # bool [L, L]
+        # bool [L, L] window masks: only where mlx-lm's own attention runs unrouted
+        masks = L * L * len(windows) if self.attention == "fused" and not self.fast_kernels \
+            else 0
         return float(self.per_layer_input_bytes() + masks)
 
     def segment_matrix(self) -> np.ndarray:
@@ -337,25 +398,44 @@ class CostModel:
 
     # --- time -----------------------------------------------------------------------------
 
-    def _flops(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(forward, backward, q/k/v projection forward) FLOPs of each layer for the whole batch
-        (fused: the attention MLX's plain backward runs; chunked: ours)."""
+    def _attention_flops(self, g: LayerGeom, kernel: str) -> tuple[float, float]:
+        """(forward, backward) attention work of one layer in time-weighted FLOPs: the FLOPs
+        its kernel runs (the composed path scores every key, chunks whole chunks, the fused
+        kernels skip masked blocks), times the kernel's time per FLOP on this backend."""
+        L, B = self.L, self.B
+        window = self.window(g)
+        if kernel == "composed":
+            keys = L
+        elif kernel == "chunked":
+            chunk = _chunk_size(B, g.heads, L, window)
+            keys = (L + chunk) / 2 if window is None else min(L, window + chunk / 2)
+        else:
+            keys = (L + 1) / 2 if window is None else min(L, window + 32)
+        weight = ATTENTION_TIME_CUDA[kernel] if self.fast_kernels else 1.0
+        attn = 4.0 * g.heads * g.head_dim * keys * L * B * weight
+        ratio = BWD_ATTN[kernel]
+        if kernel == "mlx" and self.tile:  # its VJP runs the forward again (for the LSE)
+            ratio += 1.0
+        return attn, ratio * attn
+
+    def _flops(self, reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward, backward, q/k/v projection forward) time-weighted FLOPs of each layer for
+        the whole batch, with each layer's kernel (`reference`: the cheapest kernel the layer
+        could run, the denominator every plan of this model shares, so that plans of any
+        engine compare and none is faster than one plain step)."""
         L, B = self.L, self.B
         fwd, bwd, qkv = [], [], []
         for g in self.g.layers:
             quant = 1.0 + 0.02 * g.bits if g.bits else 1.0  # dequantization work, a guess
             lin = g.linear_flops * quant * L * B
-            if self.attention == "fused":  # the composed fallback scores every key
-                keys, ratio = L, BWD_ATTN_FUSED
+            if reference:  # the cheapest kernel this layer could run
+                kernels = ["composed", "chunked"] + ([self.fast_kernel(g)] if
+                                                     self.fast_kernel(g) else [])
+                attn, attn_bwd = min((self._attention_flops(g, k) for k in kernels), key=sum)
             else:
-                chunk = _chunk_size(B, g.heads, L, g.window if g.window and g.window < L
-                                    else None)
-                keys = (L + chunk) / 2 if g.window is None or g.window >= L \
-                    else min(L, g.window + chunk / 2)
-                ratio = BWD_ATTN_CHUNKED
-            attn = 4.0 * g.heads * g.head_dim * keys * L * B
+                attn, attn_bwd = self._attention_flops(g, self.kernel(g))
             fwd.append(lin + attn)
-            bwd.append(BWD_LINEAR * lin + ratio * attn)
+            bwd.append(BWD_LINEAR * lin + attn_bwd)
             qkv.append(g.qkv_flops * quant * L * B)
         return np.array(fwd), np.array(bwd), np.array(qkv)
 
@@ -370,15 +450,18 @@ class CostModel:
         a fixed cost (TILE_OVERHEAD_TOKENS).
         """
         fwd, bwd, qkv = self._flops()
+        ref_fwd, ref_bwd, _ = self._flops(reference=True)
         rows = self.B * (self.L - 1)
         head = 2.0 * self.g.hidden * self.g.vocab * rows * 3  # forward + dX
-        base = fwd.sum() + bwd.sum() + head
+        base = ref_fwd.sum() + ref_bwd.sum() + head
         n_seg = len(segments)
         if not self.tile:  # chunked MLPs run their forward once more, in their VJP
             again = sum(g.mlp_flops for g in self.g.layers) * self.B * self.L \
                 if self.mlp_chunk else 0.0
             chunks = -(-self.L // self.mlp_chunk) if self.mlp_chunk else 0
-            return float(1.0 + (fwd.sum() + again) / base + SEGMENT_OVERHEAD * (n_seg + chunks))
+            plain = fwd.sum() + bwd.sum() + head  # this plan's kernels, without recompute
+            return float((plain + fwd.sum() + again) / base
+                         + SEGMENT_OVERHEAD * (n_seg + chunks))
         vjp = fwd + bwd + qkv  # recompute + post/attention/pre VJPs + the pre-VJP's Q/K/V
         inner = sum(fwd[a:b - 1].sum() for a, b in segments)
         tiles = -(-self.L // self.tile)

@@ -160,11 +160,11 @@ def tile_configs(seq_len: int, attention: str, tile: int | str | None,
     if tile != "auto":
         if tile is None:
             return [(attention, None, False, mlp_chunk)]
-        return [("chunked", tile, off, None) for off in offloads]
+        return [(attention, tile, off, None) for off in offloads]
     sizes = [t for t in TILE_SIZES if t < seq_len] or [seq_len]
     chunks = [mlp_chunk] if mlp_chunk else [None] + [c for c in MLP_CHUNKS if c < seq_len]
     untiled = [] if offload is True else [(attention, None, False, c) for c in chunks]
-    return untiled + [("chunked", t, off, None) for off in offloads for t in sizes]
+    return untiled + [(attention, t, off, None) for off in offloads for t in sizes]
 
 
 def pick(options: list[tuple], target_gb: float | None) -> tuple:

@@ -1,0 +1,325 @@
+"""Flash attention on CUDA for the cases MLX's fused kernel leaves out.
+
+MLX's `mx.fast.scaled_dot_product_attention` runs forward and backward fused (cuDNN) on CUDA only
+for head dims up to 128 and a causal or no mask; for Gemma's head dims (256, 512), sliding
+windows and packed examples its backward scores every key into [L, L] arrays. This module adds
+a flash kernel for those (`flash_attention_cuh`, compiled by MLX's `mx.fast.cuda_kernel`):
+online softmax with the row log-sum-exp saved, probabilities recomputed block by block in the
+backward, masks described (causal, window, example ids), never materialized.
+
+`reference_forward` / `reference_backward` run the same blocked algorithm with MLX ops in float32
+(the same block ranges, the same online softmax and LSE), so the CPU tests check the algorithm
+the kernel implements against the chunked path and MLX's autodiff.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib.resources import files
+
+import mlx.core as mx
+import numpy as np
+
+HEAD_DIMS = (64, 128, 256, 512)
+BQ = 64  # query rows a forward / dQ block holds
+LN2 = float(np.log(2.0))
+
+
+@functools.cache
+def _source() -> str:
+    return (files("segback.engine") / "flash_attention.cuh").read_text()
+
+
+def _tiles(D: int) -> dict[str, int]:
+    """Block sizes per head dim: each warp's accumulator (16 rows x its columns) must fit the
+    registers, and every block must fit shared memory (227 KB on Hopper)."""
+    return dict(
+        fwd_split=2 if D > 256 else 1,  # V columns per CTA: D / split
+        fwd_bk=32 if D > 256 else 64,
+        dq_split=2 if D > 256 else 1,
+        dq_bk=32 if D >= 256 else 64,
+        bkv=16384 // D if D >= 128 else 128,  # keys per dK/dV CTA
+        dkdv_bq=32 if D > 256 else 64,
+    )
+
+
+def available() -> bool:
+    """Whether the kernel can run here: MLX's CUDA backend, on the default (GPU) device."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def supports(queries: mx.array, keys: mx.array) -> bool:
+    """Whether this call's shapes and dtype are ones the kernel handles."""
+    D = queries.shape[-1]
+    return (available() and queries.dtype in (mx.bfloat16, mx.float16)
+            and keys.dtype == queries.dtype and D in HEAD_DIMS and keys.shape[-1] == D
+            and queries.shape[2] <= keys.shape[2])
+
+
+def block_ranges(Lq: int, Lk: int, window: int | None, bq: int, bk: int,
+                 first: np.ndarray | None = None, last: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """([query blocks, 2] key ranges, [key blocks, 2] query ranges) that can hold a visible pair.
+
+    Query i sits at key position i + Lk - Lq. `first`/`last` (packed examples): for every key
+    position, the first and last position of its example over all rows of the batch.
+    """
+    off = Lk - Lq
+    q0 = np.arange(0, Lq, bq)
+    q1 = np.minimum(q0 + bq, Lq)
+    k_hi = np.minimum(q1 + off, Lk)
+    k_lo = np.zeros_like(q0) if window is None else np.maximum(0, q0 + off - window + 1)
+    if first is not None:
+        k_lo = np.maximum(k_lo, first[q0 + off])
+    k0 = np.arange(0, Lk, bk)
+    k1 = np.minimum(k0 + bk, Lk)
+    q_lo = np.maximum(0, k0 - off)
+    q_hi = np.full_like(k0, Lq) if window is None else np.minimum(Lq, k1 - 1 + window - off)
+    if last is not None:
+        q_hi = np.minimum(q_hi, last[k1 - 1] + 1 - off)
+    kr = np.stack([k_lo, np.maximum(k_hi, k_lo)], axis=1)
+    qr = np.stack([np.minimum(q_lo, q_hi), np.maximum(q_hi, 0)], axis=1)
+    return kr.astype(np.int32), qr.astype(np.int32)
+
+
+def _window(window: int | None, Lk: int) -> int | None:
+    return None if window is None or window >= Lk else int(window)
+
+
+@functools.cache
+def _kernel(kind: str, smem: int):
+    names = dict(
+        forward=(["q", "k", "v", "scale", "prm", "kr", "seg"], ["o", "lse"],
+                 "::sbflash::forward<T, D, DV, BK, SEG>(q, k, v, scale, prm, kr, seg, o, lse);"),
+        dkdv=(["q", "k", "v", "d_o", "lse", "delta", "scale", "prm", "qr", "seg"], ["dk", "dv"],
+              "::sbflash::backward_dkdv<T, D, BKV, BQB, SEG>(q, k, v, d_o, lse, delta, scale, "
+              "prm, qr, seg, dk, dv);"),
+        dq=(["q", "k", "v", "d_o", "lse", "delta", "scale", "prm", "kr", "seg"], ["dq"],
+            "::sbflash::backward_dq<T, D, DQ, BK, SEG>(q, k, v, d_o, lse, delta, scale, prm, "
+            "kr, seg, dq);"),
+    )
+    inputs, outputs, body = names[kind]
+    return mx.fast.cuda_kernel(name=f"segback_flash_{kind}", input_names=inputs,
+                               output_names=outputs, source=body, header=_source(),
+                               ensure_row_contiguous=True, shared_memory=smem)
+
+
+def _masks(B: int, Lq: int, Lk: int, window: int | None, blocks) -> tuple:
+    """(window, seg ids [B, Lk] int32 or a placeholder, first, last) for the kernels."""
+    if blocks is None:
+        return _window(window, Lk), mx.zeros((1,), mx.int32), None, None
+    return (_window(window, Lk), blocks.ids.astype(mx.int32), blocks.first, blocks.last)
+
+
+def _params(q: mx.array, k: mx.array, window: int | None) -> mx.array:
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    return mx.array([B, H, Hkv, Lq, Lk, Lk - Lq, window or 0], mx.int32)
+
+
+def flash_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                  window: int | None = None, blocks=None) -> tuple[mx.array, mx.array]:
+    """(output [B, H, Lq, D], row log-sum-exp [B, H, Lq] float32) on CUDA."""
+    B, H, Lq, D = queries.shape
+    Lk = keys.shape[2]
+    window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
+    cfg = _tiles(D)
+    split, bk = cfg["fwd_split"], cfg["fwd_bk"]
+    dv = D // split
+    kr, _ = block_ranges(Lq, Lk, window, BQ, bk, first, last)
+    item = queries.dtype.size
+    smem = (BQ * (D + 8) + bk * (D + 8) + bk * (dv + 8)) * item
+    nqb = -(-Lq // BQ)
+    o, lse = _kernel("forward", smem)(
+        inputs=[queries, keys, values, mx.array([scale], mx.float32),
+                _params(queries, keys, window), mx.array(kr), seg],
+        output_shapes=[(B, H, Lq, D), (B, H, Lq)], output_dtypes=[queries.dtype, mx.float32],
+        grid=(nqb * 128, B * H, split), threadgroup=(128, 1, 1),
+        template=[("T", queries.dtype), ("D", D), ("DV", dv), ("BK", bk),
+                  ("SEG", int(blocks is not None))])
+    return o, lse
+
+
+def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: mx.array | None,
+                   lse: mx.array, d_output: mx.array, scale: float, window: int | None = None,
+                   blocks=None, delta: mx.array | None = None
+                   ) -> tuple[mx.array, mx.array, mx.array]:
+    """(dQ, dK, dV) from the forward's LSE; `delta` = rowsum(dO * O) [B, H, Lq] float32 (computed
+    from `output` when not given)."""
+    B, H, Lq, D = queries.shape
+    Hkv, Lk = keys.shape[1], keys.shape[2]
+    window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
+    if delta is None:
+        delta = (d_output.astype(mx.float32) * output.astype(mx.float32)).sum(-1)
+    delta = delta.reshape(B, H, Lq)
+    cfg = _tiles(D)
+    item = queries.dtype.size
+    d_output = d_output.astype(queries.dtype)
+    scale_a = mx.array([scale], mx.float32)
+    prm = _params(queries, keys, window)
+
+    bkv, bqb = cfg["bkv"], cfg["dkdv_bq"]
+    _, qr = block_ranges(Lq, Lk, window, bqb, bkv, first, last)
+    smem = (2 * bkv * (D + 8) + 2 * bqb * (D + 8) + 2 * bkv * (bqb + 8)) * item + 2 * bqb * 4
+    dk, dv = _kernel("dkdv", smem)(
+        inputs=[queries, keys, values, d_output, lse, delta, scale_a, prm, mx.array(qr), seg],
+        output_shapes=[keys.shape, values.shape], output_dtypes=[keys.dtype, values.dtype],
+        grid=(-(-Lk // bkv) * 256, B * Hkv, 1), threadgroup=(256, 1, 1),
+        template=[("T", queries.dtype), ("D", D), ("BKV", bkv), ("BQB", bqb),
+                  ("SEG", int(blocks is not None))])
+
+    split, bk = cfg["dq_split"], cfg["dq_bk"]
+    kr, _ = block_ranges(Lq, Lk, window, BQ, bk, first, last)
+    smem = (2 * BQ * (D + 8) + 2 * bk * (D + 8)) * item
+    (dq,) = _kernel("dq", smem)(
+        inputs=[queries, keys, values, d_output, lse, delta, scale_a, prm, mx.array(kr), seg],
+        output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+        grid=(-(-Lq // BQ) * 128, B * H, split), threadgroup=(128, 1, 1),
+        template=[("T", queries.dtype), ("D", D), ("DQ", D // split), ("BK", bk),
+                  ("SEG", int(blocks is not None))])
+    return dq, dk, dv
+
+
+def _make_flash(scale: float, window: int | None, blocks=None):
+    @mx.custom_function
+    def attend(queries, keys, values):
+        return flash_forward(queries, keys, values, scale, window, blocks)
+
+    @attend.vjp
+    def attend_vjp(primals, cotangents, outputs):
+        queries, keys, values = primals
+        o, lse = outputs
+        return flash_backward(queries, keys, values, o, lse, cotangents[0], scale, window,
+                              blocks)
+
+    return attend
+
+
+@functools.cache
+def _cached_flash(scale: float, window: int | None):
+    return _make_flash(scale, window)
+
+
+def flash_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                    window: int | None = None, blocks=None) -> mx.array:
+    """Causal (optionally sliding-window, optionally packed) attention with the flash kernels'
+    forward and backward; layout as `mx.fast.scaled_dot_product_attention`."""
+    window = _window(window, keys.shape[2])
+    fn = _make_flash(float(scale), window, blocks) if blocks is not None else \
+        _cached_flash(float(scale), window)
+    return fn(queries, keys, values)[0]
+
+
+# --- the same algorithm in MLX ops (the CPU check of the kernels' blocking) -------------------
+
+
+def _visible(i: np.ndarray, j: np.ndarray, off: int, window: int | None,
+             seg: mx.array | None) -> mx.array:
+    """[B or 1, 1, qi, kj] visibility of queries i (key positions i + off) and keys j."""
+    ip = mx.array(i + off)[:, None]
+    jj = mx.array(j)[None]
+    vis = jj <= ip
+    if window is not None:
+        vis = vis & (jj > ip - window)
+    vis = vis[None, None]
+    if seg is not None:
+        same = seg[:, mx.array(i + off)][:, :, None] == seg[:, mx.array(j)][:, None, :]
+        vis = vis & same[:, None]
+    return vis
+
+
+def _gqa(x: mx.array, rep: int) -> mx.array:
+    return x if rep == 1 else mx.repeat(x, rep, axis=1)
+
+
+def reference_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      window: int | None = None, blocks=None, bk: int = 64
+                      ) -> tuple[mx.array, mx.array]:
+    """The forward kernel's algorithm in float32 MLX ops: per query block, key blocks in order
+    with an online softmax (running max and sum), then O / l and LSE = m + log l."""
+    B, H, Lq, D = queries.shape
+    Lk = keys.shape[2]
+    rep = H // keys.shape[1]
+    window = _window(window, Lk)
+    seg = None if blocks is None else blocks.ids
+    first, last = (None, None) if blocks is None else (blocks.first, blocks.last)
+    kr, _ = block_ranges(Lq, Lk, window, BQ, bk, first, last)
+    q = queries.astype(mx.float32)
+    k, v = _gqa(keys.astype(mx.float32), rep), _gqa(values.astype(mx.float32), rep)
+    neg = mx.array(-np.inf, mx.float32)
+    outs, lses = [], []
+    for qb, (lo, hi) in enumerate(kr):
+        i = np.arange(qb * BQ, min(qb * BQ + BQ, Lq))
+        qi = q[:, :, i[0]:i[-1] + 1]
+        m = mx.full((B, H, len(i), 1), -np.inf)
+        ell = mx.zeros((B, H, len(i), 1))
+        acc = mx.zeros((B, H, len(i), values.shape[-1]))
+        for k0 in range((int(lo) // bk) * bk, int(hi), bk):
+            j = np.arange(k0, min(k0 + bk, Lk))
+            s = (qi @ k[:, :, j[0]:j[-1] + 1].swapaxes(-1, -2)) * scale
+            s = mx.where(_visible(i, j, Lk - Lq, window, seg), s, neg)
+            m_new = mx.maximum(m, s.max(-1, keepdims=True))
+            base = mx.where(m_new == -np.inf, 0.0, m_new)
+            c = mx.exp(m - base)
+            p = mx.exp(s - base)
+            ell = ell * c + p.sum(-1, keepdims=True)
+            acc = acc * c + p @ v[:, :, j[0]:j[-1] + 1]
+            m = m_new
+        outs.append(acc / mx.where(ell > 0, ell, 1.0))
+        lses.append(mx.where(ell > 0, m + mx.log(mx.where(ell > 0, ell, 1.0)), -np.inf)[..., 0])
+    return mx.concatenate(outs, axis=2).astype(queries.dtype), mx.concatenate(lses, axis=2)
+
+
+def reference_backward(queries: mx.array, keys: mx.array, values: mx.array, output: mx.array,
+                       lse: mx.array, d_output: mx.array, scale: float,
+                       window: int | None = None, blocks=None, bkv: int = 64, bq: int = BQ
+                       ) -> tuple[mx.array, mx.array, mx.array]:
+    """The backward kernels' algorithm in float32 MLX ops: dK/dV per key block over the query
+    blocks that see it, dQ per query block over its key blocks, P recomputed from the LSE."""
+    B, H, Lq, D = queries.shape
+    Hkv, Lk = keys.shape[1], keys.shape[2]
+    rep = H // Hkv
+    window = _window(window, Lk)
+    seg = None if blocks is None else blocks.ids
+    first, last = (None, None) if blocks is None else (blocks.first, blocks.last)
+    q, do = queries.astype(mx.float32), d_output.astype(mx.float32)
+    k, v = _gqa(keys.astype(mx.float32), rep), _gqa(values.astype(mx.float32), rep)
+    delta = (do * output.astype(mx.float32)).sum(-1, keepdims=True)
+    lse = lse[..., None]
+    neg_off = Lk - Lq
+
+    def block(i, j):
+        s = (q[:, :, i[0]:i[-1] + 1] @ k[:, :, j[0]:j[-1] + 1].swapaxes(-1, -2)) * scale
+        p = mx.where(_visible(i, j, neg_off, window, seg), mx.exp(s - lse[:, :, i[0]:i[-1] + 1]),
+                     0.0)
+        dp = do[:, :, i[0]:i[-1] + 1] @ v[:, :, j[0]:j[-1] + 1].swapaxes(-1, -2)
+        return p, p * (dp - delta[:, :, i[0]:i[-1] + 1])
+
+    _, qr = block_ranges(Lq, Lk, window, bq, bkv, first, last)
+    dks, dvs = [], []
+    for kb, (lo, hi) in enumerate(qr):
+        j = np.arange(kb * bkv, min(kb * bkv + bkv, Lk))
+        dk = mx.zeros((B, H, len(j), D))
+        dv = mx.zeros((B, H, len(j), values.shape[-1]))
+        for q0 in range((int(lo) // bq) * bq, int(hi), bq):
+            i = np.arange(q0, min(q0 + bq, Lq))
+            p, ds = block(i, j)
+            dv = dv + p.swapaxes(-1, -2) @ do[:, :, i[0]:i[-1] + 1]
+            dk = dk + ds.swapaxes(-1, -2) @ q[:, :, i[0]:i[-1] + 1]
+        dks.append(dk * scale)
+        dvs.append(dv)
+    dk = mx.concatenate(dks, axis=2).reshape(B, Hkv, rep, Lk, D).sum(2)
+    dv = mx.concatenate(dvs, axis=2).reshape(B, Hkv, rep, Lk, -1).sum(2)
+
+    kr, _ = block_ranges(Lq, Lk, window, bq, bkv, first, last)
+    dqs = []
+    for qb, (lo, hi) in enumerate(kr):
+        i = np.arange(qb * bq, min(qb * bq + bq, Lq))
+        dq = mx.zeros((B, H, len(i), D))
+        for k0 in range((int(lo) // bkv) * bkv, int(hi), bkv):
+            j = np.arange(k0, min(k0 + bkv, Lk))
+            _, ds = block(i, j)
+            dq = dq + ds @ k[:, :, j[0]:j[-1] + 1]
+        dqs.append(dq * scale)
+    dq = mx.concatenate(dqs, axis=2)
+    return dq.astype(queries.dtype), dk.astype(keys.dtype), dv.astype(values.dtype)
