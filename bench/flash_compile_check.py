@@ -23,46 +23,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from segback.engine import flash  # noqa: E402
 
-DTYPE = {"bf16": "__nv_bfloat16", "f16": "__half"}
+def mlx_style_source(kind: str, dtype: str, consts: dict[str, int]) -> str:
+    """The source `mx.fast.cuda_kernel` assembles: MLX's default header, the kernel header, the
+    generated signature and template constants, the body."""
+    ins, outs, _ = flash.SIGNATURES[kind]
+    T = flash.CUDA_TYPES[dtype]
 
+    def ctype(t: str) -> str:
+        return T if t == "T" else flash.CUDA_TYPES[t]
 
-def signature(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]]) -> str:
-    args = [f"    const {t}* {n}" for n, t in inputs] + [f"    {t}* {n}" for n, t in outputs]
-    return f"__global__ void {name}(\n" + ",\n".join(args) + ") {\n"
-
-
-def kernel_source(kind: str, D: int, seg: int, dtype: str) -> str:
-    cfg = flash._tiles(D)
-    T = DTYPE[dtype]
-    f32, i32 = "float", "int32_t"
-    if kind == "forward":
-        ins = [("q", T), ("k", T), ("v", T), ("scale", f32), ("prm", i32), ("kr", i32),
-               ("seg", i32)]
-        outs = [("o", T), ("lse", f32)]
-        consts = dict(D=D, DV=D // cfg["fwd_split"], BK=cfg["fwd_bk"], SEG=seg)
-        body = "::sbflash::forward<T, D, DV, BK, SEG>(q, k, v, scale, prm, kr, seg, o, lse);"
-    elif kind == "dkdv":
-        ins = [("q", T), ("k", T), ("v", T), ("d_o", T), ("lse", f32), ("delta", f32),
-               ("scale", f32), ("prm", i32), ("qr", i32), ("seg", i32)]
-        outs = [("dk", T), ("dv", T)]
-        consts = dict(D=D, BKV=cfg["bkv"], BQB=cfg["dkdv_bq"], SEG=seg)
-        body = ("::sbflash::backward_dkdv<T, D, BKV, BQB, SEG>(q, k, v, d_o, lse, delta, scale, "
-                "prm, qr, seg, dk, dv);")
-    else:
-        ins = [("q", T), ("k", T), ("v", T), ("d_o", T), ("lse", f32), ("delta", f32),
-               ("scale", f32), ("prm", i32), ("kr", i32), ("seg", i32)]
-        outs = [("dq", T)]
-        consts = dict(D=D, DQ=D // cfg["dq_split"], BK=cfg["dq_bk"], SEG=seg)
-        body = ("::sbflash::backward_dq<T, D, DQ, BK, SEG>(q, k, v, d_o, lse, delta, scale, prm, "
-                "kr, seg, dq);")
+    params = [f"    const {ctype(t)}* {n}" for n, t in ins] + \
+        [f"    {ctype(t)}* {n}" for n, t in outs]
     src = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
     src += flash._source()
     src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    src += signature(f"custom_kernel_segback_flash_{kind}", ins, outs)
+    src += f"__global__ void custom_kernel_segback_flash_{kind}(\n" + ",\n".join(params) + ") {\n"
     src += f"  using T = {T};\n"
     src += "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
-    src += "\n" + body + "\n}\n\n} // namespace mlx::core::cu\n"
+    src += "\n" + flash._call(kind) + "\n}\n\n} // namespace mlx::core::cu\n"
     return src
+
+
+def consts_of(kind: str, D: int, seg: int) -> dict[str, int]:
+    cfg = flash._tiles(D)
+    if kind == "forward":
+        return dict(D=D, DV=D // cfg["fwd_split"], BK=cfg["fwd_bk"], SEG=seg)
+    if kind == "dkdv":
+        return dict(D=D, BKV=cfg["bkv"], BQB=cfg["dkdv_bq"], SEG=seg)
+    return dict(D=D, DQ=D // cfg["dq_split"], BK=cfg["dq_bk"], SEG=seg)
 
 
 def compile_one(lib, src: str, name: str, includes: list[str]) -> tuple[bool, str]:
@@ -87,7 +75,10 @@ def main() -> None:
     ap.add_argument("--include", action="append", default=[])
     ap.add_argument("--dims", type=int, nargs="*", default=list(flash.HEAD_DIMS))
     ap.add_argument("--kinds", nargs="*", default=["forward", "dkdv", "dq"])
-    ap.add_argument("--dtype", default="bf16", choices=DTYPE)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--standalone", action="store_true",
+                    help="the extern \"C\" source segback builds itself (CUDA headers only); "
+                    "default: the source mx.fast.cuda_kernel assembles (needs MLX's headers)")
     ap.add_argument("--seg", type=int, nargs="*", default=[0, 1])
     args = ap.parse_args()
     lib = ctypes.CDLL(args.nvrtc)
@@ -95,8 +86,12 @@ def main() -> None:
     for kind in args.kinds:
         for D in args.dims:
             for seg in args.seg:
-                ok, log = compile_one(lib, kernel_source(kind, D, seg, args.dtype),
-                                      f"{kind}_{D}", args.include)
+                consts = consts_of(kind, D, seg)
+                if args.standalone:  # what segback.engine.cuda_build compiles
+                    _, src = flash.kernel_source(kind, args.dtype, consts)
+                else:
+                    src = mlx_style_source(kind, args.dtype, consts)
+                ok, log = compile_one(lib, src, f"{kind}_{D}", args.include)
                 ok_all &= ok
                 usage = re.findall(r"Used (\d+) registers.*", log)
                 spill = re.findall(r"(\d+) bytes spill stores", log)

@@ -15,6 +15,7 @@ the kernel implements against the chunked path and MLX's autodiff.
 from __future__ import annotations
 
 import functools
+import warnings
 from importlib.resources import files
 
 import mlx.core as mx
@@ -86,22 +87,86 @@ def _window(window: int | None, Lk: int) -> int | None:
     return None if window is None or window >= Lk else int(window)
 
 
+# kind: (inputs, outputs, the kernel header's function) as (name, type) pairs; "T" is the
+# input dtype, "f" float32, "i" int32.
+SIGNATURES = {
+    "forward": ((("q", "T"), ("k", "T"), ("v", "T"), ("scale", "f"), ("prm", "i"), ("kr", "i"),
+                 ("seg", "i")), (("o", "T"), ("lse", "f")), "forward<T, D, DV, BK, SEG>"),
+    "dkdv": ((("q", "T"), ("k", "T"), ("v", "T"), ("d_o", "T"), ("lse", "f"), ("delta", "f"),
+              ("scale", "f"), ("prm", "i"), ("qr", "i"), ("seg", "i")),
+             (("dk", "T"), ("dv", "T")), "backward_dkdv<T, D, BKV, BQB, SEG>"),
+    "dq": ((("q", "T"), ("k", "T"), ("v", "T"), ("d_o", "T"), ("lse", "f"), ("delta", "f"),
+            ("scale", "f"), ("prm", "i"), ("kr", "i"), ("seg", "i")),
+           (("dq", "T"),), "backward_dq<T, D, DQ, BK, SEG>"),
+}
+CUDA_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "f": "float", "i": "int32_t"}
+
+
+def _call(kind: str) -> str:
+    ins, outs, fn = SIGNATURES[kind]
+    return f"::sbflash::{fn}({', '.join(n for n, _ in ins + outs)});"
+
+
+def kernel_source(kind: str, dtype: str, consts: dict[str, int]) -> tuple[str, str]:
+    """(name, source) of one instantiation as a standalone `extern "C"` kernel, with the
+    signature `mx.fast.cuda_kernel` would generate (inputs, then outputs)."""
+    ins, outs, _ = SIGNATURES[kind]
+    T = CUDA_TYPES[dtype]
+    name = "segback_flash_" + "_".join([kind, dtype] + [f"{k}{v}" for k, v in consts.items()])
+
+    def ctype(t: str) -> str:
+        return T if t == "T" else CUDA_TYPES[t]
+
+    params = [f"const {ctype(t)}* {n}" for n, t in ins] + [f"{ctype(t)}* {n}" for n, t in outs]
+    body = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
+    source = ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+              "typedef unsigned int uint32_t;\ntypedef int int32_t;\n" + _source()
+              + f'\nextern "C" __global__ void {name}({", ".join(params)}) {{\n'
+              + f"  using T = {T};\n{body}  {_call(kind)}\n}}\n")
+    return name, source
+
+
 @functools.cache
-def _kernel(kind: str, smem: int):
-    names = dict(
-        forward=(["q", "k", "v", "scale", "prm", "kr", "seg"], ["o", "lse"],
-                 "::sbflash::forward<T, D, DV, BK, SEG>(q, k, v, scale, prm, kr, seg, o, lse);"),
-        dkdv=(["q", "k", "v", "d_o", "lse", "delta", "scale", "prm", "qr", "seg"], ["dk", "dv"],
-              "::sbflash::backward_dkdv<T, D, BKV, BQB, SEG>(q, k, v, d_o, lse, delta, scale, "
-              "prm, qr, seg, dk, dv);"),
-        dq=(["q", "k", "v", "d_o", "lse", "delta", "scale", "prm", "kr", "seg"], ["dq"],
-            "::sbflash::backward_dq<T, D, DQ, BK, SEG>(q, k, v, d_o, lse, delta, scale, prm, "
-            "kr, seg, dq);"),
-    )
-    inputs, outputs, body = names[kind]
-    return mx.fast.cuda_kernel(name=f"segback_flash_{kind}", input_names=inputs,
-                               output_names=outputs, source=body, header=_source(),
-                               ensure_row_contiguous=True, shared_memory=smem)
+def _precompiled(kind: str, dtype: str, consts: tuple, arch: str) -> tuple[str, bytes] | None:
+    """The kernel's name and binary from segback's build (disk-cached), or None to fall back."""
+    from segback.engine.cuda_build import cached_cubin
+
+    name, source = kernel_source(kind, dtype, dict(consts))
+    try:
+        cubin = cached_cubin(source, name, arch)
+    except Exception as e:  # noqa: BLE001 - MLX's own JIT path still runs the kernel
+        warnings.warn(f"segback: building {name} with NVRTC failed ({e}); compiling it "
+                      "through mx.fast.cuda_kernel instead", stacklevel=2)
+        return None
+    return None if cubin is None else (name, cubin)
+
+
+@functools.cache
+def _jit_kernel(kind: str, smem: int):
+    """The same kernel through `mx.fast.cuda_kernel` (MLX compiles it in every process)."""
+    ins, outs, _ = SIGNATURES[kind]
+    return mx.fast.cuda_kernel(name=f"segback_flash_{kind}", input_names=[n for n, _ in ins],
+                               output_names=[n for n, _ in outs], source=_call(kind),
+                               header=_source(), ensure_row_contiguous=True, shared_memory=smem)
+
+
+@functools.cache
+def _arch() -> str:
+    return str(mx.device_info().get("architecture", "sm_90"))
+
+
+def _launch(kind: str, dtype: mx.Dtype, consts: dict[str, int], inputs: list[mx.array],
+            shapes: list, dtypes: list, grid: tuple, threads: int, smem: int) -> list[mx.array]:
+    name = str(dtype).split(".")[-1]
+    pre = _precompiled(kind, name, tuple(consts.items()), _arch())
+    if pre is not None:
+        return mx.fast.precompiled_cuda_kernel(
+            name=pre[0], compiled_source=pre[1], inputs=inputs, output_shapes=shapes,
+            output_dtypes=dtypes, scalars=[], grid=grid, threadgroup=(threads, 1, 1),
+            shared_memory=smem, ensure_row_contiguous=True)
+    return _jit_kernel(kind, smem)(
+        inputs=inputs, output_shapes=shapes, output_dtypes=dtypes, grid=grid,
+        threadgroup=(threads, 1, 1), template=[("T", dtype), *consts.items()])
 
 
 def _masks(B: int, Lq: int, Lk: int, window: int | None, blocks) -> tuple:
@@ -130,13 +195,12 @@ def flash_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     item = queries.dtype.size
     smem = (BQ * (D + 8) + bk * (D + 8) + bk * (dv + 8)) * item
     nqb = -(-Lq // BQ)
-    o, lse = _kernel("forward", smem)(
-        inputs=[queries, keys, values, mx.array([scale], mx.float32),
-                _params(queries, keys, window), mx.array(kr), seg],
-        output_shapes=[(B, H, Lq, D), (B, H, Lq)], output_dtypes=[queries.dtype, mx.float32],
-        grid=(nqb * 128, B * H, split), threadgroup=(128, 1, 1),
-        template=[("T", queries.dtype), ("D", D), ("DV", dv), ("BK", bk),
-                  ("SEG", int(blocks is not None))])
+    o, lse = _launch(
+        "forward", queries.dtype, dict(D=D, DV=dv, BK=bk, SEG=int(blocks is not None)),
+        [queries, keys, values, mx.array([scale], mx.float32), _params(queries, keys, window),
+         mx.array(kr), seg],
+        [(B, H, Lq, D), (B, H, Lq)], [queries.dtype, mx.float32], (nqb * 128, B * H, split),
+        128, smem)
     return o, lse
 
 
@@ -161,22 +225,20 @@ def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: 
     bkv, bqb = cfg["bkv"], cfg["dkdv_bq"]
     _, qr = block_ranges(Lq, Lk, window, bqb, bkv, first, last)
     smem = (2 * bkv * (D + 8) + 2 * bqb * (D + 8) + 2 * bkv * (bqb + 8)) * item + 2 * bqb * 4
-    dk, dv = _kernel("dkdv", smem)(
-        inputs=[queries, keys, values, d_output, lse, delta, scale_a, prm, mx.array(qr), seg],
-        output_shapes=[keys.shape, values.shape], output_dtypes=[keys.dtype, values.dtype],
-        grid=(-(-Lk // bkv) * 256, B * Hkv, 1), threadgroup=(256, 1, 1),
-        template=[("T", queries.dtype), ("D", D), ("BKV", bkv), ("BQB", bqb),
-                  ("SEG", int(blocks is not None))])
+    seg_on = int(blocks is not None)
+    dk, dv = _launch(
+        "dkdv", queries.dtype, dict(D=D, BKV=bkv, BQB=bqb, SEG=seg_on),
+        [queries, keys, values, d_output, lse, delta, scale_a, prm, mx.array(qr), seg],
+        [keys.shape, values.shape], [keys.dtype, values.dtype],
+        (-(-Lk // bkv) * 256, B * Hkv, 1), 256, smem)
 
     split, bk = cfg["dq_split"], cfg["dq_bk"]
     kr, _ = block_ranges(Lq, Lk, window, BQ, bk, first, last)
     smem = (2 * BQ * (D + 8) + 2 * bk * (D + 8)) * item
-    (dq,) = _kernel("dq", smem)(
-        inputs=[queries, keys, values, d_output, lse, delta, scale_a, prm, mx.array(kr), seg],
-        output_shapes=[queries.shape], output_dtypes=[queries.dtype],
-        grid=(-(-Lq // BQ) * 128, B * H, split), threadgroup=(128, 1, 1),
-        template=[("T", queries.dtype), ("D", D), ("DQ", D // split), ("BK", bk),
-                  ("SEG", int(blocks is not None))])
+    (dq,) = _launch(
+        "dq", queries.dtype, dict(D=D, DQ=D // split, BK=bk, SEG=seg_on),
+        [queries, keys, values, d_output, lse, delta, scale_a, prm, mx.array(kr), seg],
+        [queries.shape], [queries.dtype], (-(-Lq // BQ) * 128, B * H, split), 128, smem)
     return dq, dk, dv
 
 

@@ -35,7 +35,7 @@ def _attach_lora(layers: Sequence[nn.Module], rank: int) -> list[tuple[nn.Module
 
 
 def measure_segment(model: nn.Module, start: int, stop: int, seq_len: int,
-                    batch_size: int = 1, lora_rank: int = 8) -> float:
+                    batch_size: int = 1, lora_rank: int = 8, descriptors: bool = False) -> float:
     """Peak bytes above the inputs of one segment's vjp, as the engine runs it.
 
     Runs segback's stack adapter on random hidden states (no embedding or head), with LoRA
@@ -60,7 +60,7 @@ def measure_segment(model: nn.Module, start: int, stop: int, seq_len: int,
         if stack.call_layer is not None and getattr(args, "hidden_size_per_layer_input", 0):
             pli = mx.random.normal((batch_size, seq_len, stack.num_layers,
                                     args.hidden_size_per_layer_input)).astype(dtype)
-        masks = stack.masks(h)
+        masks = stack.masks(h, descriptors=descriptors)  # descriptors: attention is routed
         flat = [(i, k, v) for i, layer in enumerate(layers)
                 for k, v in tree_flatten(layer.trainable_parameters())]
         params = [v for _, _, v in flat]
@@ -99,17 +99,18 @@ def calibration_segments(geom: Geometry) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _attention_mode(model: nn.Module, attention: str) -> Iterator[None]:
+def _attention_mode(model: nn.Module, attention: str) -> Iterator[bool]:
     """Measure with the attention the plan is for: route the model's module through
-    segback.engine.attention's chunked sdpa when `attention` is "chunked"."""
-    if attention != "chunked":
-        yield
-        return
-    from segback.engine.attention import use_attention
+    segback.engine.attention as the engine does (chunked, or fused where segback picks the
+    kernel: CUDA); yields whether it is routed (then masks are descriptors)."""
+    from segback.engine.attention import fused_routed, use_attention
 
+    if attention != "chunked" and not fused_routed():
+        yield False
+        return
     layer = text_parts(model)[0].model.layers[0]
-    with use_attention([sys.modules[type(layer).__module__]]):
-        yield
+    with use_attention([sys.modules[type(layer).__module__]], attention):
+        yield True
 
 
 def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -144,8 +145,8 @@ def fit_coefficients(model: nn.Module, geom: Geometry, batch_size: int = 1, lora
         measured.append([])
         for L in lengths:
             cost = CostModel(geom, L, batch_size, attention)
-            with _attention_mode(model, attention):
-                m = measure_segment(model, a, b, L, batch_size, lora_rank)
+            with _attention_mode(model, attention) as routed:
+                m = measure_segment(model, a, b, L, batch_size, lora_rank, routed)
             measured[-1].append(m / GB)
             rows.append([cost.act[a:b].sum() + cost.bwd[a:b].max(),
                          cost.attn_retained[a:b].sum(), cost.attn_transient[a:b].max()])
