@@ -6,7 +6,8 @@ One JSON line per (L, mask, path). Paths:
            else mlx-lm's own path); the row's `kernel` says which ran
   mlx      mx.fast.scaled_dot_product_attention with the mask mlx-lm passes ("causal", or a
            boolean window mask): whether MLX itself runs the case fused shows in its peak
-  flash    segback's flash kernel (CUDA only)
+  flash    segback's flash kernel (CUDA only); flash-plain: its B operands through 16-bit
+           shared loads instead of ldmatrix
   chunked  segback's chunked kernel of MLX ops
 Peak is measured above the resting inputs. FLOPs: the causal (or windowed) forward's
 4·H·D·keys·L·B, times 3.5 for forward + backward (dQ, dK, dV, dP); `hw_fraction` is the rate
@@ -51,8 +52,9 @@ def attention_fn(path: str, scale: float, window: int | None, blocks, chunk: int
         if path == "fused":
             spec = MaskSpec("causal" if window is None else "sliding", window, blocks=blocks)
             return fused_sdpa(q, k, v, scale, spec)
-        if path == "flash":
-            return flash.flash_attention(q, k, v, scale, window, blocks)
+        if path in ("flash", "flash-plain"):
+            return flash.flash_attention(q, k, v, scale, window, blocks,
+                                         ldsm=path == "flash")
         if path == "mlx":
             if blocks is not None:
                 mask = blocks.dense(window)
@@ -91,7 +93,7 @@ def measure(path: str, L: int, window: int | None, args) -> dict:
     chunk = args.chunk or default_chunk_size(B, H, L, L, window)
     fn = attention_fn(path, scale, window, blocks, chunk)
     kernel = {"fused": fused_kernel(q, k, window, blocks), "flash": "flash", "mlx": "mlx",
-              "chunked": "chunked"}[path]
+              "flash-plain": "flash", "chunked": "chunked"}[path]
 
     row = dict(path=path, kernel=kernel, L=L, mask="causal" if window is None else
                f"window={window}", packed=args.packed, B=B, H=H, Hkv=Hkv, D=D,
@@ -129,7 +131,7 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--windows", type=int, nargs="+", default=[0, 256], help="0 = causal")
     p.add_argument("--paths", nargs="+", default=["fused", "chunked"],
-                   choices=["fused", "mlx", "flash", "chunked"])
+                   choices=["fused", "mlx", "flash", "flash-plain", "chunked"])
     p.add_argument("--packed", type=int, default=0,
                    help="packed rows: examples of this many tokens each (0 = one sequence)")
     p.add_argument("--batch", type=int, default=1)

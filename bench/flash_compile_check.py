@@ -44,13 +44,13 @@ def mlx_style_source(kind: str, dtype: str, consts: dict[str, int]) -> str:
     return src
 
 
-def consts_of(kind: str, D: int, seg: int) -> dict[str, int]:
+def consts_of(kind: str, D: int, seg: int, ldsm: int = 1) -> dict[str, int]:
     cfg = flash._tiles(D)
     if kind == "forward":
-        return dict(D=D, DV=D // cfg["fwd_split"], BK=cfg["fwd_bk"], SEG=seg)
+        return dict(D=D, DV=D // cfg["fwd_split"], BK=cfg["fwd_bk"], SEG=seg, LDSM=ldsm)
     if kind == "dkdv":
-        return dict(D=D, BKV=cfg["bkv"], BQB=cfg["dkdv_bq"], SEG=seg)
-    return dict(D=D, DQ=D // cfg["dq_split"], BK=cfg["dq_bk"], SEG=seg)
+        return dict(D=D, BKV=cfg["bkv"], BQB=cfg["dkdv_bq"], SEG=seg, LDSM=ldsm)
+    return dict(D=D, DQ=D // cfg["dq_split"], BK=cfg["dq_bk"], SEG=seg, LDSM=ldsm)
 
 
 def compile_one(lib, src: str, name: str, includes: list[str]) -> tuple[bool, str]:
@@ -80,13 +80,14 @@ def main() -> None:
                     help="the extern \"C\" source segback builds itself (CUDA headers only); "
                     "default: the source mx.fast.cuda_kernel assembles (needs MLX's headers)")
     ap.add_argument("--seg", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--ldsm", type=int, default=1, choices=[0, 1])
     args = ap.parse_args()
     lib = ctypes.CDLL(args.nvrtc)
     ok_all = True
     for kind in args.kinds:
         for D in args.dims:
             for seg in args.seg:
-                consts = consts_of(kind, D, seg)
+                consts = consts_of(kind, D, seg, args.ldsm)
                 if args.standalone:  # what segback.engine.cuda_build compiles
                     _, src = flash.kernel_source(kind, args.dtype, consts)
                 else:

@@ -91,13 +91,13 @@ def _window(window: int | None, Lk: int) -> int | None:
 # input dtype, "f" float32, "i" int32.
 SIGNATURES = {
     "forward": ((("q", "T"), ("k", "T"), ("v", "T"), ("scale", "f"), ("prm", "i"), ("kr", "i"),
-                 ("seg", "i")), (("o", "T"), ("lse", "f")), "forward<T, D, DV, BK, SEG>"),
+                 ("seg", "i")), (("o", "T"), ("lse", "f")), "forward<T, D, DV, BK, SEG, LDSM>"),
     "dkdv": ((("q", "T"), ("k", "T"), ("v", "T"), ("d_o", "T"), ("lse", "f"), ("delta", "f"),
               ("scale", "f"), ("prm", "i"), ("qr", "i"), ("seg", "i")),
-             (("dk", "T"), ("dv", "T")), "backward_dkdv<T, D, BKV, BQB, SEG>"),
+             (("dk", "T"), ("dv", "T")), "backward_dkdv<T, D, BKV, BQB, SEG, LDSM>"),
     "dq": ((("q", "T"), ("k", "T"), ("v", "T"), ("d_o", "T"), ("lse", "f"), ("delta", "f"),
             ("scale", "f"), ("prm", "i"), ("kr", "i"), ("seg", "i")),
-           (("dq", "T"),), "backward_dq<T, D, DQ, BK, SEG>"),
+           (("dq", "T"),), "backward_dq<T, D, DQ, BK, SEG, LDSM>"),
 }
 CUDA_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "f": "float", "i": "int32_t"}
 
@@ -183,8 +183,10 @@ def _params(q: mx.array, k: mx.array, window: int | None) -> mx.array:
 
 
 def flash_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                  window: int | None = None, blocks=None) -> tuple[mx.array, mx.array]:
-    """(output [B, H, Lq, D], row log-sum-exp [B, H, Lq] float32) on CUDA."""
+                  window: int | None = None, blocks=None, ldsm: bool = True
+                  ) -> tuple[mx.array, mx.array]:
+    """(output [B, H, Lq, D], row log-sum-exp [B, H, Lq] float32) on CUDA. `ldsm`: B operands
+    through ldmatrix (False: plain 16-bit shared loads, for comparison)."""
     B, H, Lq, D = queries.shape
     Lk = keys.shape[2]
     window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
@@ -196,7 +198,8 @@ def flash_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     smem = (BQ * (D + 8) + bk * (D + 8) + bk * (dv + 8)) * item
     nqb = -(-Lq // BQ)
     o, lse = _launch(
-        "forward", queries.dtype, dict(D=D, DV=dv, BK=bk, SEG=int(blocks is not None)),
+        "forward", queries.dtype,
+        dict(D=D, DV=dv, BK=bk, SEG=int(blocks is not None), LDSM=int(ldsm)),
         [queries, keys, values, mx.array([scale], mx.float32), _params(queries, keys, window),
          mx.array(kr), seg],
         [(B, H, Lq, D), (B, H, Lq)], [queries.dtype, mx.float32], (nqb * 128, B * H, split),
@@ -206,7 +209,7 @@ def flash_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
 
 def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: mx.array | None,
                    lse: mx.array, d_output: mx.array, scale: float, window: int | None = None,
-                   blocks=None, delta: mx.array | None = None
+                   blocks=None, delta: mx.array | None = None, ldsm: bool = True
                    ) -> tuple[mx.array, mx.array, mx.array]:
     """(dQ, dK, dV) from the forward's LSE; `delta` = rowsum(dO * O) [B, H, Lq] float32 (computed
     from `output` when not given)."""
@@ -227,7 +230,7 @@ def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: 
     smem = (2 * bkv * (D + 8) + 2 * bqb * (D + 8) + 2 * bkv * (bqb + 8)) * item + 2 * bqb * 4
     seg_on = int(blocks is not None)
     dk, dv = _launch(
-        "dkdv", queries.dtype, dict(D=D, BKV=bkv, BQB=bqb, SEG=seg_on),
+        "dkdv", queries.dtype, dict(D=D, BKV=bkv, BQB=bqb, SEG=seg_on, LDSM=int(ldsm)),
         [queries, keys, values, d_output, lse, delta, scale_a, prm, mx.array(qr), seg],
         [keys.shape, values.shape], [keys.dtype, values.dtype],
         (-(-Lk // bkv) * 256, B * Hkv, 1), 256, smem)
@@ -236,39 +239,39 @@ def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: 
     kr, _ = block_ranges(Lq, Lk, window, BQ, bk, first, last)
     smem = (2 * BQ * (D + 8) + 2 * bk * (D + 8)) * item
     (dq,) = _launch(
-        "dq", queries.dtype, dict(D=D, DQ=D // split, BK=bk, SEG=seg_on),
+        "dq", queries.dtype, dict(D=D, DQ=D // split, BK=bk, SEG=seg_on, LDSM=int(ldsm)),
         [queries, keys, values, d_output, lse, delta, scale_a, prm, mx.array(kr), seg],
         [queries.shape], [queries.dtype], (-(-Lq // BQ) * 128, B * H, split), 128, smem)
     return dq, dk, dv
 
 
-def _make_flash(scale: float, window: int | None, blocks=None):
+def _make_flash(scale: float, window: int | None, blocks=None, ldsm: bool = True):
     @mx.custom_function
     def attend(queries, keys, values):
-        return flash_forward(queries, keys, values, scale, window, blocks)
+        return flash_forward(queries, keys, values, scale, window, blocks, ldsm)
 
     @attend.vjp
     def attend_vjp(primals, cotangents, outputs):
         queries, keys, values = primals
         o, lse = outputs
         return flash_backward(queries, keys, values, o, lse, cotangents[0], scale, window,
-                              blocks)
+                              blocks, ldsm=ldsm)
 
     return attend
 
 
 @functools.cache
-def _cached_flash(scale: float, window: int | None):
-    return _make_flash(scale, window)
+def _cached_flash(scale: float, window: int | None, ldsm: bool):
+    return _make_flash(scale, window, ldsm=ldsm)
 
 
 def flash_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                    window: int | None = None, blocks=None) -> mx.array:
+                    window: int | None = None, blocks=None, ldsm: bool = True) -> mx.array:
     """Causal (optionally sliding-window, optionally packed) attention with the flash kernels'
     forward and backward; layout as `mx.fast.scaled_dot_product_attention`."""
     window = _window(window, keys.shape[2])
-    fn = _make_flash(float(scale), window, blocks) if blocks is not None else \
-        _cached_flash(float(scale), window)
+    fn = _make_flash(float(scale), window, blocks, ldsm) if blocks is not None else \
+        _cached_flash(float(scale), window, ldsm)
     return fn(queries, keys, values)[0]
 
 

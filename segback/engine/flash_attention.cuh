@@ -43,6 +43,24 @@ __device__ __forceinline__ uint32_t ld16x2(const T* a, const T* b) {
   return lo | (hi << 16);
 }
 
+// The B fragment (k16 x n8, two registers) of a row-major [k][n] shared tile with row stride S,
+// at `p` = &tile[k0][n0]: one ldmatrix.trans (LDSM) or four 16-bit loads.
+template <typename T, int S, int LDSM>
+__device__ __forceinline__ void b_frag_trans(const T* p, uint32_t& b0, uint32_t& b1) {
+  const int lane = threadIdx.x % 32;
+  if constexpr (LDSM) {
+    uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p + (lane & 15) * S));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1)
+                 : "r"(addr));
+  } else {
+    const int g = lane / 4, t = lane % 4;
+    const T* q = p + (2 * t) * S + g;
+    b0 = ld16x2(q, q + S);
+    b1 = ld16x2(q + 8 * S, q + 9 * S);
+  }
+}
+
 template <typename T>
 struct Mma;
 
@@ -113,7 +131,7 @@ __device__ __forceinline__ bool visible(int i, int j, int Lq, int Lk, int off, i
 // ---------------------------------------------------------------------------------------------
 // Forward: one CTA of 4 warps per 64 query rows of one (batch, head) and one slice of DV output
 // columns (blockIdx.z; D = 512 splits V in two so the accumulator fits the registers).
-template <typename T, int D, int DV, int BK, int SEG>
+template <typename T, int D, int DV, int BK, int SEG, int LDSM>
 __device__ void forward(const T* q, const T* k, const T* v, const float* scale_p, const int* prm,
                         const int* kr, const int* seg, T* o, float* lse) {
   constexpr int BQ = 64, PAD = 8, SQ = D + PAD, SV = DV + PAD, THREADS = 128;
@@ -210,8 +228,9 @@ __device__ void forward(const T* q, const T* k, const T* v, const float* scale_p
       uint32_t a3 = pack_f2<T>(s[2 * j + 1][2], s[2 * j + 1][3]);
 #pragma unroll
       for (int n = 0; n < DV / 8; ++n) {
-        const T* vb = sV + (j * 16 + 2 * t) * SV + n * 8 + g;
-        mma<T>(acc[n], a0, a1, a2, a3, ld16x2(vb, vb + SV), ld16x2(vb + 8 * SV, vb + 9 * SV));
+        uint32_t b0, b1;
+        b_frag_trans<T, SV, LDSM>(sV + j * 16 * SV + n * 8, b0, b1);
+        mma<T>(acc[n], a0, a1, a2, a3, b0, b1);
       }
     }
   }
@@ -243,7 +262,7 @@ __device__ void forward(const T* q, const T* k, const T* v, const float* scale_p
 // the group and every query block that sees these keys. Phase 1 computes P^T and dS^T for a
 // [BKV, BQ] block into shared memory; phase 2 accumulates dV += P^T dO and dK += dS^T Q, each
 // warp owning 16 keys x CW columns in registers.
-template <typename T, int D, int BKV, int BQ, int SEG>
+template <typename T, int D, int BKV, int BQ, int SEG, int LDSM>
 __device__ void backward_dkdv(const T* q, const T* k, const T* v, const T* d_o, const float* lse,
                               const float* delta, const float* scale_p, const int* prm,
                               const int* qr, const int* seg, T* dk, T* dv) {
@@ -346,11 +365,12 @@ __device__ void backward_dkdv(const T* q, const T* k, const T* v, const T* d_o, 
         uint32_t e0 = ld32(sa), e1 = ld32(sa + 8 * SP), e2 = ld32(sa + 8), e3 = ld32(sa + 8 * SP + 8);
 #pragma unroll
         for (int n = 0; n < CW / 8; ++n) {
-          int c = cg * CW + n * 8 + g;
-          const T* ob_ = sO + (j * 16 + 2 * t) * SQ + c;
-          const T* qb_ = sQ + (j * 16 + 2 * t) * SQ + c;
-          mma<T>(adv[n], a0, a1, a2, a3, ld16x2(ob_, ob_ + SQ), ld16x2(ob_ + 8 * SQ, ob_ + 9 * SQ));
-          mma<T>(adk[n], e0, e1, e2, e3, ld16x2(qb_, qb_ + SQ), ld16x2(qb_ + 8 * SQ, qb_ + 9 * SQ));
+          const int c = cg * CW + n * 8;
+          uint32_t b0, b1, f0, f1;
+          b_frag_trans<T, SQ, LDSM>(sO + j * 16 * SQ + c, b0, b1);
+          b_frag_trans<T, SQ, LDSM>(sQ + j * 16 * SQ + c, f0, f1);
+          mma<T>(adv[n], a0, a1, a2, a3, b0, b1);
+          mma<T>(adk[n], e0, e1, e2, e3, f0, f1);
         }
       }
     }
@@ -378,7 +398,7 @@ __device__ void backward_dkdv(const T* q, const T* k, const T* v, const T* d_o, 
 // ---------------------------------------------------------------------------------------------
 // dQ: one CTA of 4 warps per 64 query rows of one (batch, head) and one slice of DQ columns
 // (blockIdx.z); it recomputes S and dP for every key block the rows see.
-template <typename T, int D, int DQ, int BK, int SEG>
+template <typename T, int D, int DQ, int BK, int SEG, int LDSM>
 __device__ void backward_dq(const T* q, const T* k, const T* v, const T* d_o, const float* lse,
                             const float* delta, const float* scale_p, const int* prm,
                             const int* kr, const int* seg, T* dq) {
@@ -455,8 +475,9 @@ __device__ void backward_dq(const T* q, const T* k, const T* v, const T* d_o, co
       uint32_t a3 = pack_f2<T>(s[2 * j + 1][2], s[2 * j + 1][3]);
 #pragma unroll
       for (int n = 0; n < DQ / 8; ++n) {
-        const T* kb_ = sK + (j * 16 + 2 * t) * SQ + zs * DQ + n * 8 + g;
-        mma<T>(acc[n], a0, a1, a2, a3, ld16x2(kb_, kb_ + SQ), ld16x2(kb_ + 8 * SQ, kb_ + 9 * SQ));
+        uint32_t b0, b1;
+        b_frag_trans<T, SQ, LDSM>(sK + j * 16 * SQ + zs * DQ + n * 8, b0, b1);
+        mma<T>(acc[n], a0, a1, a2, a3, b0, b1);
       }
     }
   }
