@@ -104,3 +104,43 @@ def test_fused_kernel_choice_off_cuda():
     assert fused_kernel(q, q) == "composed"
     assert fused_kernel(q, q, window=16) == "composed"
     assert not flash.supports(q, q)
+
+
+def _geometry(name):
+    from segback.planner.geometry import read_geometry, resolve_model
+
+    model, model_id = resolve_model(name, "bfloat16", 4)
+    return read_geometry(model, 8, None, "bfloat16", model_id)
+
+
+def test_cost_model_charges_the_fast_kernels():
+    """Planning for CUDA (fast_kernels): causal head-dim-128 layers run MLX's kernel, Gemma's
+    head dims and windows the flash kernel, and neither keeps [L, L] scores: an untiled plan's
+    peak grows about linearly in L, and fused attention is predicted faster than chunked."""
+    from segback.planner.cost import Coefficients, CostModel
+    from segback.planner.search import _best_by_count
+
+    llama, e4b = _geometry("llama3.1-8b"), _geometry("e4b")
+    cuda = dict(fast_kernels=True, coef=Coefficients(activation=1.6))
+    assert {CostModel(llama, 8192, 1, **cuda).kernel(g) for g in llama.layers} == {"mlx"}
+    assert {CostModel(e4b, 8192, 1, **cuda).kernel(g) for g in e4b.layers} == {"flash"}
+    assert {CostModel(e4b, 8192, 1, fast_kernels=False).kernel(g) for g in e4b.layers} \
+        == {"composed"}
+    assert {CostModel(e4b, 8192, 1, tile=2048, fast_kernels=False).kernel(g)
+            for g in e4b.layers} == {"chunked"}
+
+    def peak(L, **kw):
+        cost = CostModel(llama, L, 1, **kw)
+        return cost.evaluate(_best_by_count(cost)[32])["peak"]
+
+    resting = peak(2, **cuda)
+    grow = (peak(32768, **cuda) - resting) / (peak(8192, **cuda) - resting)
+    assert grow < 4.5  # linear in L (x4), where composed scores grow x16
+    old = (peak(32768, fast_kernels=False) - resting) / (peak(8192, fast_kernels=False) - resting)
+    assert old > 8
+    for L in (8192, 32768):
+        fused = CostModel(llama, L, 1, "fused", **cuda)
+        chunked = CostModel(llama, L, 1, "chunked", **cuda)
+        segs = _best_by_count(fused)[8]
+        assert fused.relative_step_time(segs) < chunked.relative_step_time(segs)
+        assert fused.relative_step_time(segs) >= 1.0
