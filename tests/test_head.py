@@ -17,6 +17,7 @@ import segback.engine.head as head_module
 from segback.engine import Packed
 from segback.engine.head import contiguous, head_vjp, loss_mask
 from segback.engine.stack import Head, get_stack
+from segback.models.geometry import geometry_config
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -91,8 +92,13 @@ def exact_head(model, h, batch, lengths):
     return float(out), dh
 
 
+# A softcap of 0.5 saturates tanh (tiny-e4b's logits reach several units), where 1 - tanh^2
+# is small and its rounding matters.
+SATURATED = geometry_config("tiny-e4b", final_logit_softcapping=0.5)
 HEADS = [("tiny-llama", None), ("tiny-qwen3", None), ("tiny-minicpm", None),
-         ("tiny-gemma3", None), ("tiny-e4b", None), ("tiny-llama", 4), ("tiny-e4b", 4)]
+         ("tiny-gemma3", None), ("tiny-e4b", None),
+         pytest.param(SATURATED, None, id="saturated-softcap"), ("tiny-llama", 4),
+         ("tiny-e4b", 4)]
 
 
 @pytest.mark.parametrize("name,bits", HEADS)
@@ -107,7 +113,8 @@ def test_fused_head_is_as_exact_as_autodiff(name, bits, kind, monkeypatch):
     softcap derivative, target or row is far above either bound."""
     model = lora_model(name, quantize_bits=bits)
     head = get_stack(model).head
-    assert isinstance(head, Head) and (head.softcap is not None) == (name == "tiny-e4b")
+    capped = model.args.model_type == "gemma4_text"
+    assert isinstance(head, Head) and (head.softcap is not None) == capped
     V = model.args.vocab_size
     batch, lengths = masks(V)[kind]
     h = hidden(model, *batch.shape)

@@ -65,6 +65,7 @@ def _capped_ce_dlogits(z: mx.array, t: mx.array, cols: mx.array, cot: mx.array, 
     c = th * cap
     lse = mx.logsumexp(c, axis=-1, keepdims=True)
     loss = (lse - mx.take_along_axis(c, t[:, None], axis=-1)).sum()
+    th = c / cap  # tanh again from c: only c stays alive between the passes
     g = (mx.exp(c - lse) - (cols == t[:, None])) * (1 - th * th)
     return loss, (g * cot).astype(dtype)
 
