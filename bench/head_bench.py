@@ -5,8 +5,9 @@
 
 Random hidden states stand in for the last layer's output; only the head's weights are built
 (the model is left lazy, so the layers never materialize). Both paths run in one process,
-alternating, after a warm-up each (compile); seconds are the median of `--runs`, peak the
-largest `mx.get_peak_memory()` above the resting memory over the runs.
+alternating, after a warm-up each (compile); wall and CPU seconds (`time.process_time`, all
+threads: steadier than wall time where other processes share the cores) are medians of
+`--runs`, peak the largest `mx.get_peak_memory()` above the resting memory over the runs.
 """
 
 from __future__ import annotations
@@ -39,16 +40,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def timed(fn) -> tuple[float, float]:
-    """Seconds and peak GB (2^30 bytes, above what was active before) of one call."""
+def timed(fn) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and peak GB (2^30 bytes, above what was active before) of
+    one call."""
     mx.synchronize()
     rest = mx.get_active_memory()
     mx.reset_peak_memory()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
     mx.eval(out)
     mx.synchronize()
-    return time.perf_counter() - t0, (mx.get_peak_memory() - rest) / 2**30
+    return (time.perf_counter() - t0, time.process_time() - c0,
+            (mx.get_peak_memory() - rest) / 2**30)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                                 fused=fused)[::2]
 
     paths = {"autodiff": run(False), "fused": run(True)}
-    results: dict[str, list[tuple[float, float]]] = {k: [] for k in paths}
+    results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in paths}
     losses = {k: float(f()[0]) for k, f in paths.items()}  # warm-up (compile)
     for _ in range(args.runs):
         for k, f in paths.items():
@@ -79,12 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model={args.model} vocab={V} hidden={model.args.hidden_size} dtype={args.dtype} "
           f"bits={args.bits} B={B} tokens={args.seq} prompt={args.prompt} "
           f"softcap={head.softcap} runs={args.runs}")
-    base = statistics.median(s for s, _ in results["autodiff"])
+    base = [statistics.median(r[i] for r in results["autodiff"]) for i in (0, 1)]
     for k, rows in results.items():
-        sec = statistics.median(s for s, _ in rows)
-        peak = max(g for _, g in rows)
-        print(f"  {k:9s} {sec * 1e3:8.1f} ms  (runs {', '.join(f'{s * 1e3:.0f}' for s, _ in rows)})"
-              f"  peak +{peak:.3f} GB  loss {losses[k]:.6f}  speed-up {base / sec:.2f}x")
+        wall, cpu = (statistics.median(r[i] for r in rows) for i in (0, 1))
+        peak = max(r[2] for r in rows)
+        print(f"  {k:9s} wall {wall:6.2f} s ({', '.join(f'{r[0]:.2f}' for r in rows)})  "
+              f"cpu {cpu:6.2f} s  peak +{peak:.3f} GB  loss {losses[k]:.6f}  "
+              f"speed-up wall {base[0] / wall:.2f}x cpu {base[1] / cpu:.2f}x")
 
 
 if __name__ == "__main__":
