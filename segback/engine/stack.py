@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.gemma4_text import logit_softcap
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
 SUPPORTED_TYPES = (*DENSE_TYPES, "gemma3_text", "gemma4_text", "gemma4")
@@ -66,7 +67,7 @@ class Head:
         out = self.linear(self.norm(x))
         if self.softcap is None:
             return out
-        return mx.tanh(out / self.softcap) * self.softcap  # mlx-lm's gemma4 logit_softcap
+        return logit_softcap(self.softcap, out)
 
 
 # A layer's mask: mlx-lm's own value ("causal", None or a boolean array), built once per step.
