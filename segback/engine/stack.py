@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.gemma4_text import logit_softcap
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
 SUPPORTED_TYPES = (*DENSE_TYPES, "gemma3_text", "gemma4_text", "gemma4")
@@ -49,6 +50,26 @@ def binder(module: nn.Module, keys: list[str]) -> Callable[[list[mx.array]], Non
     return bind
 
 
+@dataclass
+class Head:
+    """A model's head as its mlx-lm `__call__` applies it: final norm, LM head (a linear, a
+    quantized one or a tied embedding's `as_linear`), then an optional logit softcap.
+
+    Called, it is that composition; kept apart, the loss head can fuse the softcap and the
+    cross-entropy and take the VJP of the norm and of the LM head alone.
+    """
+
+    norm: Callable[[mx.array], mx.array]
+    linear: Callable[[mx.array], mx.array]  # normed rows -> logits before the softcap
+    softcap: float | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = self.linear(self.norm(x))
+        if self.softcap is None:
+            return out
+        return logit_softcap(self.softcap, out)
+
+
 # A layer's mask: mlx-lm's own value ("causal", None or a boolean array), built once per step.
 Mask = Any
 
@@ -61,7 +82,7 @@ class Stack:
     layers: list[nn.Module]
     layers_path: str  # key prefix of the layers in model.parameters(), e.g. "model.layers"
     embed: Callable[[mx.array], tuple[mx.array, mx.array | None]]  # ids -> (h0, per-layer in)
-    head: Callable[[mx.array], mx.array]  # hidden rows (pre final norm) -> logits
+    head: Head  # hidden rows (pre final norm) -> logits
     layer_types: list[str]  # "full_attention" / "sliding_attention" per layer
     window: int | None = None
     kv_source: list[int] = field(default_factory=list)  # layer -> layer whose K/V it reads
@@ -184,18 +205,14 @@ def get_stack(model: nn.Module) -> Stack:
             return (h * scale if scale is not None else h), None
 
         if model_type == "minicpm":
-            def head(x):
-                x = inner.norm(x)
+            def lm(x):
                 if tied:
                     return x @ inner.embed_tokens.weight.T
                 return outer.lm_head(x / (args.hidden_size / args.dim_model_base))
         else:
             lm = _lm_head(outer, inner, tied)
 
-            def head(x):
-                return lm(inner.norm(x))
-
-        return Stack(model_type, layers, path, embed, head, types,
+        return Stack(model_type, layers, path, embed, Head(inner.norm, lm), types,
                      window=getattr(args, "sliding_window", None), kv_source=list(range(n)))
 
     if model_type == "gemma3_text":
@@ -209,14 +226,11 @@ def get_stack(model: nn.Module) -> Stack:
             h = inner.embed_tokens(ids)
             return h * mx.array(args.hidden_size**0.5, mx.bfloat16).astype(h.dtype), None
 
-        return Stack(model_type, layers, path, embed, lambda x: lm(inner.norm(x)), types,
+        return Stack(model_type, layers, path, embed, Head(inner.norm, lm), types,
                      window=args.sliding_window, kv_source=list(range(n)))
 
     # gemma4_text (and the gemma4 wrapper): per-layer inputs, KV sharing, logit softcap.
-    from mlx_lm.models.gemma4_text import logit_softcap
-
     lm = _lm_head(outer, inner, outer.tie_word_embeddings)
-    cap = outer.final_logit_softcapping
 
     def embed(ids):
         emb = inner.embed_tokens(ids)
@@ -226,16 +240,13 @@ def get_stack(model: nn.Module) -> Stack:
             pli = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids, emb))
         return h, pli
 
-    def head(x):
-        out = lm(inner.norm(x))
-        return logit_softcap(cap, out) if cap is not None else out
-
     def call_layer(layer, h, mask, pli, shared, cache=None):
         # A sharer's queries take their RoPE offset from the caller; a donor's from the cache.
         offset = None if shared is None else (cache.offset if cache is not None else 0)
         h, kv, _ = layer(h, mask, cache, per_layer_input=pli, shared_kv=shared, offset=offset)
         return h, kv
 
+    head = Head(inner.norm, lm, outer.final_logit_softcapping)
     return Stack(model_type, layers, path, embed, head, list(args.layer_types),
                  window=args.sliding_window, kv_source=list(inner.previous_kvs),
                  call_layer=call_layer)
