@@ -44,7 +44,8 @@ def scratch_path(path: str | Path, suffix: str = "") -> Path:
                           f"{suffix}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -85,7 +86,7 @@ def clean_stale_scratch(path: str | Path) -> list[Path]:
             pid = int(m["pid"])
             if pid == me and m["host"] == host:
                 continue
-            stale = age > STALE_AFTER_S or (m["host"] == host and not _pid_alive(pid))
+            stale = age > STALE_AFTER_S or (m["host"] == host and not pid_alive(pid))
         else:
             stale = age > STALE_AFTER_S
         if not stale:

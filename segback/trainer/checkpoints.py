@@ -11,7 +11,10 @@ order and dropout: the trainable weights and the optimizer state. Resume refuses
 made for another model, data, dtype or a setting that fixes the data order or the adapter's
 shape; a different BLAS thread count only warns (float sums may then round differently).
 Every file is written atomically (temp + rename); a checkpoint directory is complete once its
-state.json exists.
+state.json exists. One whose files cannot be read (a torn copy, a disk error) is set aside
+with a warning and the newest intact one resumes. A finished run keeps its last checkpoint
+when asked to clean up, so running a finished training again (its workflow stopped before
+recording it) rewrites the same adapter at once instead of training again.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ RESUME_KEYS = ("model", "data", "fine_tune_type", "num_layers", "lora_parameters
 
 # Options that change how a run is watched or where it writes, not the adapter it ends with.
 RUN_ONLY = {"adapter_path", "checkpoint_dir", "log", "progress", "resume", "keep_checkpoints",
+            "parent_pid",
             "clean_checkpoints", "restart_on_change", "steps_per_report", "report_to",
             "project_name", "config", "test", "test_batches", "save_every"}
 
@@ -54,6 +58,11 @@ class TrainingDiverged(RuntimeError):
 
 class ResumeError(ValueError):
     """The newest checkpoint was made for other settings than this run's."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT or SIGTERM (or the workflow that started the run exited); the checkpoints
+    stay, and the same command resumes from the last one."""
 
 
 def blas_threads() -> int:
@@ -137,6 +146,39 @@ class JsonlLog:
             f.flush()
 
 
+def damaged(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be resumed (a file torn or unreadable), else None."""
+    try:
+        state = read_json(path / "state.json")
+        if not isinstance(state, dict) or "step" not in state:
+            return "state.json holds no step"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"state.json: {e}"
+    for name in (WEIGHTS_FILE, "optimizer.safetensors"):
+        try:
+            mx.load(str(path / name))
+        except (RuntimeError, ValueError, OSError) as e:
+            return f"{name}: {str(e).removeprefix('[load_safetensors] ')}"
+    return None
+
+
+def intact_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """`list_checkpoints`, after removing the newest ones that cannot be read (each named on
+    stderr): resume then starts from the newest intact one."""
+    found = list_checkpoints(root)
+    while found:
+        step, path = found[-1]
+        why = damaged(path)
+        if why is None:
+            break
+        found.pop()
+        older = f"step {found[-1][0]}" if found else "none: training starts afresh"
+        print(f"segback: warning: checkpoint {path} is damaged ({why}); removed it, resuming "
+              f"from the newest intact one ({older})", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
+    return found
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints in `root` (state.json is written last), oldest first."""
     found = []
@@ -167,8 +209,8 @@ class Run:
     def __init__(self, args: Any, model: nn.Module, train_set: Any, world_size: int = 1):
         self.args = args
         self.world_size = world_size  # data-parallel ranks (rank 0 alone holds a Run)
-        self.out = Path(args.adapter_path)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = Path(args.adapter_path)  # made when the adapter is written: a workflow
+        # sees no output of an unfinished run
         # Checkpoints live in --checkpoint-dir when given: a directory a workflow manager does
         # not own survives the deletion of an interrupted job's outputs.
         self.ckpt = Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) \
@@ -191,7 +233,7 @@ class Run:
         and stats) when resuming, else 0 (old checkpoints and log removed)."""
         for tmp in self.ckpt.glob(".tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
-        checkpoints = list_checkpoints(self.ckpt)
+        checkpoints = intact_checkpoints(self.ckpt)
         start = 0
         changed = self._changed(checkpoints[-1][1]) if checkpoints and self.args.resume and \
             getattr(self.args, "restart_on_change", False) else None
@@ -282,15 +324,26 @@ class Run:
         raise TrainingDiverged(msg)
 
     def finish(self, model: nn.Module, summary: dict) -> dict:
-        """The adapter in mlx-lm's layout and train_summary.json; the checkpoints go if the
-        user asked (`--clean-checkpoints`)."""
+        """The adapter in mlx-lm's layout and train_summary.json; with `--clean-checkpoints`
+        every checkpoint but the last goes (the last makes a rerun of this finished training
+        instant and bit-identical)."""
         save_adapter(model, self.out, self.adapter_config())
         summary = {**summary, "resumed_from": self.resumed_from, "blas_threads": self.threads,
                    "dtype": self.identity["dtype"], "adapter_path": str(self.out)}
         atomic_write_json(self.out / SUMMARY, summary)
         if getattr(self.args, "clean_checkpoints", False):
-            shutil.rmtree(self.ckpt, ignore_errors=True)
+            for _, old in list_checkpoints(self.ckpt)[:-1]:
+                shutil.rmtree(old, ignore_errors=True)
         return summary
+
+    def interrupted(self, step: int, why: str) -> Interrupted:
+        """The one line an interrupted run ends with."""
+        last = f"the last checkpoint is step {self.last_saved} ({self.ckpt})" \
+            if self.last_saved else "no checkpoint was saved yet"
+        msg = (f"{why} at step {step} of {self.args.iters}; stopped ({last}). Run the same "
+               "command again to resume.")
+        self.log.write({"step": step, "interrupted": msg})
+        return Interrupted(msg)
 
     def _changed(self, path: Path) -> str | None:
         """What differs between the newest checkpoint's run and this one (None: nothing that

@@ -28,9 +28,10 @@ from segback.engine import EngineOptions, OptionsError, Plan, PlanError, segment
 from segback.engine.options import parse_value
 from segback.io import atomic_write_json
 from segback.trainer import distributed, loop
-from segback.trainer.checkpoints import SUMMARY, ResumeError, TrainingDiverged
+from segback.trainer.checkpoints import SUMMARY, Interrupted, ResumeError, TrainingDiverged
 from segback.trainer.config import ConfigError, TrainConfig, add_arguments, from_args, \
     split_engine
+from segback.trainer.stop import interruptible
 from segback.lock import LockedError, exclusive
 
 __all__ = ["add_arguments", "main", "run"]
@@ -43,11 +44,20 @@ def main(args: argparse.Namespace) -> int:
     world = None
     try:
         cfg = from_args(args)
-        world = distributed.init()  # the ranks mlx.launch started (one without it)
-        lock = exclusive(cfg.checkpoint_dir or cfg.adapter_path) if world.main else \
-            nullcontext()  # one writer per run: rank 0
-        with distributed.quiet(world), lock:
-            result = run(cfg, world)
+        with interruptible(cfg.parent_pid):
+            world = distributed.init()  # the ranks mlx.launch started (one without it)
+            lock = exclusive(cfg.checkpoint_dir or cfg.adapter_path) if world.main else \
+                nullcontext()  # one writer per run: rank 0
+            with distributed.quiet(world), lock:
+                result = run(cfg, world)
+    except Interrupted as e:
+        if world is None or world.main:
+            print(f"segback train: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt as e:  # before the first step: nothing to resume yet
+        print(f"segback train: interrupted ({e or 'SIGINT'}) before training started",
+              file=sys.stderr)
+        return 130
     except TrainingDiverged as e:
         if world is None or world.main:  # every rank stops at the same step; rank 0 says it
             print(f"segback train: {e}", file=sys.stderr)
@@ -175,7 +185,12 @@ def load_adapter_file(model: nn.Module, path: str) -> None:
     tensors the model does not train or of another shape."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"--resume-adapter-file {path}: no such file")
-    weights = mx.load(path)
+    try:
+        weights = mx.load(path)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"--resume-adapter-file {path} cannot be read ("
+                         f"{str(e).removeprefix('[load_safetensors] ')}): it is truncated or "
+                         "corrupt; copy it again, or train without it") from None
     trainable = dict(tree_flatten(model.trainable_parameters()))
     bad = [f"{k} {tuple(v.shape)}" for k, v in weights.items()
            if k not in trainable or trainable[k].shape != v.shape]

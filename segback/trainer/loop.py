@@ -42,7 +42,7 @@ from segback.engine.packing import input_tokens as count_input_tokens
 from segback.packing import PackedDataset, pack_dataset
 from segback.packing import describe as describe_packing
 from segback.trainer import distributed
-from segback.trainer.checkpoints import Run
+from segback.trainer.checkpoints import Interrupted, Run
 from segback.trainer.distributed import World
 
 GradFn = Callable[[nn.Module, mx.array, mx.array], tuple[tuple[mx.array, mx.array], Any]]
@@ -93,10 +93,11 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
         run.log.write({"step": step, "val_loss": val, "val_seconds": time.perf_counter() - tic})
         report.validation(step, val, time.perf_counter() - tic)
 
-    if start == 0:
-        validate(0)
     wall = time.perf_counter()
+    step = start
     try:
+        if start == 0:
+            validate(0)
         for step in range(start + 1, args.iters + 1):
             reset_peak()
             tic = time.perf_counter()
@@ -124,6 +125,11 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
                 validate(step)
             if step == args.iters or (args.save_every and step % args.save_every == 0):
                 run.save(step, model, optimizer, stats)
+    except KeyboardInterrupt as e:  # SIGINT, or what segback.trainer.stop makes one
+        why = f"interrupted ({e or 'SIGINT'})"
+        if world.main:
+            raise run.interrupted(step, why) from None
+        raise Interrupted(f"{why} at step {step} (rank {world.rank})") from None
     finally:
         report.close()
     plan = getattr(grad_fn, "plan", None)

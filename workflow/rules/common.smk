@@ -138,17 +138,7 @@ def wildcard_tag(wildcards):
     return wildcards.seq if "seq" in wildcards.keys() else single_tag()
 
 
-for _m in MODELS:
-    if _m not in config["models"]:
-        raise ValueError(
-            f"config: model {_m!r} is not an entry of `models` "
-            f"(known: {', '.join(sorted(config['models']))})"
-        )
-
-# Names that are results/ folders of their own cannot be model names.
-_RESERVED = {"data", "logs", "benchmarks"}
-if _RESERVED & set(config["models"]):
-    raise ValueError(f"config: model names {sorted(_RESERVED)} are reserved")
+# (`model` naming an entry of `models`, reserved names: segback.config_check.)
 
 
 wildcard_constraints:

@@ -99,6 +99,7 @@ rule train_lora:
                 " --save-every {params.save_every}"
                 " --seed {params.seed} --compile {params.compile}"
                 " --checkpoint-dir {params.work}/checkpoints --restart-on-change {params.clean}"
+                " --parent-pid $PPID"  # an orphaned trainer (Snakemake killed alone) stops
                 " --log {params.work}/train_log.jsonl > {log} 2>&1",
                 launch_check(),  # "" for one process
                 " && cp {params.work}/train_log.jsonl {output.log}",
