@@ -260,8 +260,11 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
     else:
         plan = Plan(segments=segments_of(cfg.plan, n),
                     engine=EngineOptions.from_dict(searched | runtime, "engine options"))
-    plan.check(n, get_stack(model).layer_types, seq_len=cfg.max_seq_length,
-               batch_size=cfg.batch_size)
+    from segback.planner.geometry import text_parts
+
+    plan.check(n, get_stack(model).layer_types,
+               model_type=getattr(text_parts(model)[1], "model_type", None),
+               seq_len=cfg.max_seq_length, batch_size=cfg.batch_size)
     if cfg.pack and plan.engine.tile:
         raise ConfigError(f"--pack needs an untiled plan (this one has tiles of "
                           f"{plan.engine.tile} tokens): the tiled engine builds no "
