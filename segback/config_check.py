@@ -85,6 +85,11 @@ def check_config(config: dict, schema_path: str | Path,
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         problems.append(f"`data.min_sources` ({lo}) is larger than `data.max_sources` ({hi}): "
                         "a case stitches between min and max conversations; swap or fix them")
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    batch, ranks = train.get("batch_size"), train.get("ranks", 1)
+    if isinstance(batch, int) and isinstance(ranks, int) and ranks > 1 and batch % ranks:
+        problems.append(f"`train.batch_size` ({batch}) is the global batch, split across "
+                        f"`train.ranks` ({ranks}) as in mlx_lm.lora: give a multiple of {ranks}")
     problems += _random_only_problems(config.get("models"))
     problems += _model_problems(config)
     if problems:

@@ -33,6 +33,8 @@ def test_shipped_configs_pass():
     (lambda c: c["train"].update(measure_plan="all"), "`train.measure_plan`: 'all' is not valid"),
     (lambda c: c["data"].update(min_sources=5, max_sources=2),
      "`data.min_sources` (5) is larger than `data.max_sources` (2)"),
+    (lambda c: c["train"].update(batch_size=3, ranks=2),
+     "`train.batch_size` (3) is the global batch, split across `train.ranks` (2)"),
 ])
 def test_each_problem_is_named(config, edit, expected):
     bad = copy.deepcopy(config)

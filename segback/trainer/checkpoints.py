@@ -103,6 +103,28 @@ def check_resume(saved: dict, current: dict, path: Path) -> None:
                           "another --adapter-path")
 
 
+def global_batch(state: dict, path: Path, batch_size: int, say: bool = True) -> dict:
+    """A checkpoint's identity with --batch-size as the global batch. Before that meaning
+    (mlx_lm.lora's), a run of N ranks read --batch-size per rank: its global batch was N times
+    it, which is what a resume must now be given (the data order is then the same)."""
+    saved, ranks = dict(state["identity"]), state.get("world_size", 1)
+    if ranks == 1 or state.get("batch_size_is") == "global":
+        return saved
+    per_rank = saved.get("batch_size")
+    saved["batch_size"] = per_rank * ranks
+    if batch_size != per_rank * ranks:
+        raise ResumeError(
+            f"cannot resume from {path}: it was trained with --batch-size {per_rank} per rank on "
+            f"{ranks} ranks (segback's old meaning), a global batch of {per_rank * ranks}; "
+            "--batch-size is now the global batch, split across the ranks as in mlx_lm.lora: "
+            f"resume with --batch-size {per_rank * ranks}, or start afresh with --no-resume")
+    if say:
+        print(f"segback: note: {path} was trained with --batch-size {per_rank} per rank on "
+              f"{ranks} ranks; that is --batch-size {per_rank * ranks} as it is read now (the "
+              "global batch): resuming with the same batches", file=sys.stderr)
+    return saved
+
+
 def _short(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 40 else s[:16] + "..." + s[-8:]
@@ -252,13 +274,14 @@ class Run:
                 raise ResumeError(f"{path} was written by an older segback train; use "
                                   "--no-resume or another --adapter-path")
             ranks = state.get("world_size", 1)
-            if ranks != self.world_size:  # the global batch (ranks x batch size) would change
+            if ranks != self.world_size:  # each rank's slice and dropout stream would change
                 raise ResumeError(
                     f"cannot resume from {path}: it was trained on {ranks} rank(s), this run "
                     f"has {self.world_size}; resume with {ranks} rank(s) ("
                     + (f"mlx.launch -n {ranks} ..." if ranks > 1 else "without a launcher")
                     + "), or start afresh with --no-resume")
-            check_resume(state["identity"], self.identity, path)
+            check_resume(global_batch(state, path, self.identity["batch_size"]), self.identity,
+                          path)
             if state.get("blas_threads") != self.threads:
                 print(f"segback: warning: {path} was trained with {state.get('blas_threads')} "
                       f"BLAS threads, this run has {self.threads}: the result will not be "
@@ -303,7 +326,8 @@ class Run:
                                 dict(tree_flatten(optimizer.state)))
         atomic_write_json(tmp / "state.json", {
             "step": step, "config": self.adapter_config(), "identity": self.identity,
-            "blas_threads": self.threads, "stats": stats, "world_size": self.world_size})
+            "blas_threads": self.threads, "stats": stats, "world_size": self.world_size,
+            "batch_size_is": "global"})
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -351,12 +375,17 @@ class Run:
         state = read_json(path / "state.json")
         if "identity" not in state:
             return "segback version"
-        moved = [k for k in self.identity if state["identity"].get(k) != self.identity[k]]
+        try:
+            saved = global_batch(state, path, self.identity["batch_size"], say=False)
+        except ResumeError:
+            return "batch_size (--batch-size is now the global batch, as in mlx_lm.lora)"
+        moved = [k for k in self.identity if saved.get(k) != self.identity[k]]
         if moved:
             return ", ".join(moved)
         if state.get("world_size", 1) != self.world_size:
             return "number of ranks"
         saved, now = state.get("config", {}), self.adapter_config()
-        keys = sorted(k for k in set(saved) | set(now)
-                      if k not in RUN_ONLY and saved.get(k) != now.get(k))
+        keys = sorted(k for k in set(saved) | set(now)  # identity's keys are compared above
+                      if k not in RUN_ONLY and k not in self.identity
+                      and saved.get(k) != now.get(k))
         return f"setting ({', '.join(keys)})" if keys else None

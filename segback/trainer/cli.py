@@ -89,7 +89,7 @@ def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
                   "segment's activations alive, which replaces gradient checkpointing",
                   file=sys.stderr)
         attach(model, cfg)
-        plan = resolve_plan(cfg, model)
+        plan = resolve_plan(cfg, model, distributed.rank_batch(cfg.batch_size, world))
         describe(plan, model, cfg)
         result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg,
                             loop.segmented_grad_fn(plan), training_callback=callback,
@@ -220,10 +220,12 @@ def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     return cls(learning_rate=lr, **kwargs)
 
 
-def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
+def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = None) -> Plan:
     """The plan the engine runs, checked against the model: `--plan auto` asks the planner
     (with what the engine flags say, 'auto' included), a file is read (flags given on top of
-    its engine options), N makes segments of N layers."""
+    its engine options), N makes segments of N layers. `batch_size`: the rows each rank runs
+    (default --batch-size: one process)."""
+    batch_size = batch_size or cfg.batch_size
     from segback.engine.stack import get_stack
 
     searched, runtime = split_engine(cfg.engine)
@@ -246,7 +248,7 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
         fixed = EngineOptions.from_dict(runtime | {"attention": given.get("attention", "fused")},
                                         "engine options")
         plan = plan_segments(
-            model, cfg.max_seq_length, batch_size=cfg.batch_size, target_gb=cfg.target_gb,
+            model, cfg.max_seq_length, batch_size=batch_size, target_gb=cfg.target_gb,
             lora_rank=cfg.lora_parameters["rank"],
             lora_layers=None if cfg.num_layers < 0 else cfg.num_layers,
             attention=fixed.attention, tile=given.get("tile"),
@@ -264,7 +266,7 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
 
     plan.check(n, get_stack(model).layer_types,
                model_type=getattr(text_parts(model)[1], "model_type", None),
-               seq_len=cfg.max_seq_length, batch_size=cfg.batch_size)
+               seq_len=cfg.max_seq_length, batch_size=batch_size)
     if cfg.pack and plan.engine.tile:
         raise ConfigError(f"--pack needs an untiled plan (this one has tiles of "
                           f"{plan.engine.tile} tokens): the tiled engine builds no "

@@ -17,7 +17,7 @@ rule plan_segments:
         ),
     params:
         seq=seq_len,
-        batch=TRAIN["batch_size"],
+        batch=TRAIN["batch_size"] // RANKS,  # what each rank runs: batch_size is the global one
         lora_rank=lora_rank,
         lora_layers=opt(
             "--lora-layers", None if TRAIN["num_layers"] == -1 else TRAIN["num_layers"]
