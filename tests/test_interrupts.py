@@ -140,3 +140,45 @@ def test_torn_resume_adapter_file_is_one_line(tmp_path, rows_dir):
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(f"segback train: error: --resume-adapter-file {bad} cannot be read")
     assert "truncated or corrupt" in line
+
+
+def test_resume_adapter_file_from_another_base_model_warns(tmp_path, capsys):
+    """tiny-llama of seed 1 has every shape of seed 0's: only the recorded base fingerprint
+    tells that an adapter trained on one is being loaded into the other."""
+    from segback.models.geometry import build_model
+    from segback.trainer import cli
+
+    rows = chat_rows(9)
+    first = small_cfg(tmp_path / "a", iters=2)
+    tiny_run(first, rows)
+    adapter = str(tmp_path / "a" / "adapters.safetensors")
+    capsys.readouterr()
+    tiny_run(small_cfg(tmp_path / "b", iters=2, resume_adapter_file=adapter), rows)
+    assert "another base model" not in capsys.readouterr().err  # its own base: quiet
+    other = build_model("tiny-llama", seed=1)
+    cli.attach(other, small_cfg(tmp_path / "c", iters=2, resume_adapter_file=adapter))
+    err = capsys.readouterr().err
+    assert f"warning: --resume-adapter-file {adapter} was trained on another base model" in err
+
+
+def test_a_failed_config_change_keeps_the_finished_run_before_it(tmp_path, capsys):
+    """Settings A finish; settings B (another learning rate) start over A's checkpoints and
+    fail midway; going back to A trains no step: A's last checkpoint was set aside, not
+    deleted, when B started (--restart-on-change, as the workflow runs)."""
+    from test_train import KillAt, Killed
+
+    rows = chat_rows(9)
+    ckpt = tmp_path / "ckpt"
+    a = small_cfg(tmp_path / "out", checkpoint_dir=str(ckpt), restart_on_change=True,
+                  clean_checkpoints=True)
+    tiny_run(a, rows)
+    want = (tmp_path / "out" / "adapters.safetensors").read_bytes()
+    b = small_cfg(tmp_path / "out", checkpoint_dir=str(ckpt), restart_on_change=True,
+                  clean_checkpoints=True, learning_rate=5e-3)
+    with pytest.raises(Killed):
+        tiny_run(b, rows, callback=KillAt(3))
+    assert [p.name for p in ckpt.glob("step_*")] == ["step_000002"]  # B's
+    capsys.readouterr()
+    assert tiny_run(a, rows)["resumed_from"] == 6
+    assert "these settings finished before" in capsys.readouterr().err
+    assert (tmp_path / "out" / "adapters.safetensors").read_bytes() == want

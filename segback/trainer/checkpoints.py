@@ -33,10 +33,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from segback.adapters import CONFIG_FILE, WEIGHTS_FILE, save_safetensors_atomic
+from segback.adapters import CONFIG_FILE, WEIGHTS_FILE, base_fingerprint, \
+    save_safetensors_atomic
 from segback.io import atomic_write_json, atomic_write_text, read_json
 
 CHECKPOINTS = "checkpoints"
+FINISHED = "finished"  # checkpoints/finished/KEY: the last checkpoint of finished settings
 SUMMARY = "train_summary.json"
 # Options that fix the data order, the adapter's shape or its meaning: a resume must match.
 RESUME_KEYS = ("model", "data", "fine_tune_type", "num_layers", "lora_parameters", "seed",
@@ -239,6 +241,7 @@ class Run:
             else self.out / CHECKPOINTS
         self.log = JsonlLog(Path(args.log) if args.log else self.out / "train_log.jsonl")
         self.identity = identity(args, model, train_set)
+        self.base = base_fingerprint(model)
         self.threads = blas_threads()
         self.last_saved: int | None = None
         self.resumed_from: int | None = None
@@ -248,7 +251,7 @@ class Run:
         cfg = self.args.to_dict() if hasattr(self.args, "to_dict") else dict(vars(self.args))
         if cfg.get("fine_tune_type") == "full":
             cfg["lora_parameters"] = None  # as mlx-lm
-        return cfg
+        return cfg | {"base_model_sha256": self.base}
 
     def start(self, model: nn.Module, optimizer: optim.Optimizer, stats: dict) -> int:
         """The step to continue after: the newest checkpoint's (restored into model, optimizer
@@ -262,8 +265,18 @@ class Run:
         if changed:
             print(f"segback: the checkpoints in {self.ckpt} were made with another {changed}: "
                   "starting afresh (--restart-on-change)", file=sys.stderr)
-            shutil.rmtree(self.ckpt, ignore_errors=True)
+            self._set_aside(checkpoints[-1][1])
+            for _, old in checkpoints:
+                shutil.rmtree(old, ignore_errors=True)
             checkpoints = []
+        kept = self.ckpt / FINISHED / self._key(self.identity, self.world_size,
+                                                self.adapter_config())
+        if not checkpoints and self.args.resume and kept.is_dir():
+            step = read_json(kept / "state.json")["step"]
+            print(f"segback: these settings finished before ({kept}): resuming from their last "
+                  "checkpoint", file=sys.stderr)
+            os.replace(kept, self.ckpt / f"step_{step:06d}")
+            checkpoints = intact_checkpoints(self.ckpt)
         if checkpoints and self.args.resume:
             start, path = checkpoints[-1]
             if start > self.args.iters:
@@ -282,6 +295,10 @@ class Run:
                     + "), or start afresh with --no-resume")
             check_resume(global_batch(state, path, self.identity["batch_size"]), self.identity,
                           path)
+            if state["config"].get("base_model_sha256", self.base) != self.base:
+                raise ResumeError(f"cannot resume from {path}: it was trained on another base "
+                                  f"model than {self.args.model} holds now (same name, other "
+                                  "weights); use --no-resume or another --adapter-path")
             if state.get("blas_threads") != self.threads:
                 print(f"segback: warning: {path} was trained with {state.get('blas_threads')} "
                       f"BLAS threads, this run has {self.threads}: the result will not be "
@@ -369,6 +386,33 @@ class Run:
         self.log.write({"step": step, "interrupted": msg})
         return Interrupted(msg)
 
+    @staticmethod
+    def _key(identity: dict, world_size: int, config: dict) -> str:
+        """Names a run's settings: what fixes its result (not RUN_ONLY options)."""
+        kept = {k: v for k, v in config.items() if k not in RUN_ONLY}
+        text = json.dumps([identity, world_size, kept], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _set_aside(self, path: Path) -> None:
+        """Keep the last checkpoint of a finished run whose settings this run replaces (in
+        FINISHED/, by settings): going back to them (a config change that failed, reverted)
+        then resumes it instead of training again. The newest `keep_checkpoints` are kept."""
+        try:
+            state = read_json(path / "state.json")
+        except (OSError, ValueError):
+            return
+        if state.get("step") != state.get("config", {}).get("iters"):
+            return  # unfinished: its steps are cheaper to redo than to keep around
+        root = self.ckpt / FINISHED
+        root.mkdir(parents=True, exist_ok=True)
+        key = self._key(state["identity"], state.get("world_size", 1), state["config"])
+        shutil.rmtree(root / key, ignore_errors=True)
+        os.replace(path, root / key)
+        keep = self.args.keep_checkpoints
+        if keep > 0:
+            for old in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
     def _changed(self, path: Path) -> str | None:
         """What differs between the newest checkpoint's run and this one (None: nothing that
         changes the result), for --restart-on-change."""
@@ -387,5 +431,6 @@ class Run:
         saved, now = state.get("config", {}), self.adapter_config()
         keys = sorted(k for k in set(saved) | set(now)  # identity's keys are compared above
                       if k not in RUN_ONLY and k not in self.identity
-                      and saved.get(k) != now.get(k))
+                      and saved.get(k) != now.get(k)
+                      and (k in saved or k != "base_model_sha256"))  # older: not recorded
         return f"setting ({', '.join(keys)})" if keys else None

@@ -197,9 +197,25 @@ def load_adapter_file(model: nn.Module, path: str) -> None:
     if bad:
         raise ValueError(f"--resume-adapter-file {path} does not fit this adapter "
                          f"(--fine-tune-type, --num-layers, rank, keys?): {', '.join(bad[:3])}")
+    warn_other_base(model, Path(path).with_name("adapter_config.json"), path)
     print(f"segback: loading fine-tuned weights from {path}", file=sys.stderr)
     model.load_weights(list(weights.items()), strict=False)
     mx.eval(model.parameters())
+
+
+def warn_other_base(model: nn.Module, config_file: Path, path: str) -> None:
+    """Warn when the adapter_config.json beside --resume-adapter-file says it was trained on
+    another base model (shapes alone cannot tell: a same-geometry model fits them)."""
+    from segback.adapters import base_fingerprint
+
+    try:
+        saved = json.loads(config_file.read_text()).get("base_model_sha256")
+    except (OSError, ValueError, AttributeError):
+        return  # no config beside it (mlx-lm's own adapters): nothing to compare
+    if saved and saved != base_fingerprint(model):
+        print(f"segback: warning: --resume-adapter-file {path} was trained on another base "
+              f"model than this one (its {config_file.name} records another "
+              "base_model_sha256): its weights will not mean what they did", file=sys.stderr)
 
 
 def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
