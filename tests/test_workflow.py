@@ -133,7 +133,7 @@ def test_config_schema_errors_name_the_key(tmp_path):
     assert out.returncode != 0 and "'long' is not of type 'integer'" in out.stdout
     out = snakemake(tmp_path, "-n", "--configfile", str(CONFIG), "--config", "model=nope",
                     check=False)
-    assert out.returncode != 0 and "model 'nope' is not an entry of `models`" in out.stdout
+    assert out.returncode != 0 and "`model`: 'nope' is not an entry of `models`" in out.stdout
 
 
 # ---- DAG ---------------------------------------------------------------------------------------
