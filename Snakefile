@@ -27,9 +27,29 @@ import sys
 
 from snakemake.utils import min_version
 
+from segback import workflow_lock
 from segback.config_check import ConfigError, check_config
 
 min_version("9.0")
+
+# A lock left by a Snakemake that was killed (kill -9, power loss) is freed, so the same
+# command also goes on after those (segback/workflow_lock.py); a live one's is kept.
+if workflow.is_main_process:
+    _stale = workflow_lock.clear_stale()
+    if _stale:
+        print(_stale, file=sys.stderr)
+
+
+onstart:
+    workflow_lock.claim()
+
+
+onsuccess:
+    workflow_lock.release()
+
+
+onerror:
+    workflow_lock.release()
 
 
 configfile: "config/config.yaml"
@@ -70,7 +90,8 @@ if isinstance(config.get("dataset"), dict):
 
 
 try:
-    check_config(config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.json"))
+    check_config(config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.json"),
+                 workflow.configfiles)
 except ConfigError as e:  # one paragraph, no traceback
     sys.exit(str(e))
 

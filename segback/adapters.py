@@ -97,6 +97,29 @@ def save_adapter(model: nn.Module, path: str | Path, config: dict) -> None:
     atomic_write_json(path / CONFIG_FILE, config)
 
 
+def base_fingerprint(model: nn.Module) -> str:
+    """sha256 of what tells base models of the same shapes apart: the text model's config and
+    its embedding table's first rows (never adapted, also for full fine-tuning). Recorded in a
+    trained adapter's config (`base_model_sha256`), so an adapter used on another base model
+    is noticed."""
+    import hashlib
+
+    import numpy as np
+
+    outer = model.language_model if getattr(model, "model_type", None) == "gemma4" else model
+    args = getattr(outer, "args", None)
+    h = hashlib.sha256(json.dumps(getattr(args, "__dict__", {}), sort_keys=True,
+                                  default=str).encode())
+    embed = getattr(getattr(outer, "model", outer), "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    if weight is not None:
+        rows = weight[:8]
+        if mx.issubdtype(rows.dtype, mx.floating):
+            rows = rows.astype(mx.float32)
+        h.update(np.array(rows).tobytes())
+    return h.hexdigest()
+
+
 class AdapterError(ValueError):
     """An adapter directory that cannot be used (or not with this model)."""
 

@@ -54,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
             limit_ops_per_buffer()
     sys.argv = [sys.argv[0], *argv]
     args = build_parser().parse_args(argv)
-    result = importlib.import_module(args._module).main(args)
+    from segback.io import WriteError
+
+    try:
+        result = importlib.import_module(args._module).main(args)
+    except WriteError as e:  # names the file and what to do; the previous one is kept
+        print(f"segback {args.command}: error: {e}", file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

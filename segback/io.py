@@ -44,7 +44,8 @@ def scratch_path(path: str | Path, suffix: str = "") -> Path:
                           f"{suffix}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -85,7 +86,7 @@ def clean_stale_scratch(path: str | Path) -> list[Path]:
             pid = int(m["pid"])
             if pid == me and m["host"] == host:
                 continue
-            stale = age > STALE_AFTER_S or (m["host"] == host and not _pid_alive(pid))
+            stale = age > STALE_AFTER_S or (m["host"] == host and not pid_alive(pid))
         else:
             stale = age > STALE_AFTER_S
         if not stale:
@@ -122,6 +123,15 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+def _remove_scratch(tmp: Path) -> None:
+    """Remove a failed write's scratch file; never raise over the error that made it fail (on
+    a read-only filesystem even unlinking a file that was never made raises EROFS)."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def atomic_write_file(path: str | Path, write: Callable[[Path], None], suffix: str = "",
                       check: Callable[[Path], None] | None = None) -> None:
     """Let `write(tmp)` create the scratch file, `check(tmp)` verify it, fsync it and rename it
@@ -141,12 +151,12 @@ def atomic_write_file(path: str | Path, write: Callable[[Path], None], suffix: s
             os.close(fd)
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        _remove_scratch(tmp)
         if isinstance(e, WriteError):
             raise
         raise _write_error(path, e) from e
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove_scratch(tmp)
         raise
 
 

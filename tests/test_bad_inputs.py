@@ -540,3 +540,77 @@ def test_hub_id_loads_like_mlx_lm_and_fails_clearly_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="mlx-community/not-cached-anywhere"):
         load("mlx-community/not-cached-anywhere")
+
+
+# -- issue 40: bad values, torn base weights, read-only disks, plans of other models ------------
+
+
+def test_read_only_filesystem_names_the_file_not_the_cleanup(tmp_path, monkeypatch):
+    """On a read-only filesystem the scratch file cannot be made and even unlinking it (never
+    made) raises EROFS: that second error must not hide the first."""
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(sio.os, "open", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(sio.WriteError, match=rf"cannot write {tmp_path / 'p.json'}: Read-only "
+                                             "file system.*make it writable"):
+        sio.atomic_write_json(tmp_path / "p.json", {"a": 1})
+
+
+def test_plan_refuses_bad_targets_and_warns_on_absurd_peaks(tmp_path, capsys):
+    from segback.cli import main
+
+    for flag, value in (("--target-gb", "-1"), ("--target-gb", "nan"), ("--batch", "0"),
+                        ("--time-budget", "inf")):
+        rc = main(["plan", "--model", "tiny-llama", "--seq", "64", flag, value, "--out",
+                   str(tmp_path / "p.json")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith(f"segback plan: error: {flag}")
+        assert not (tmp_path / "p.json").exists()
+    assert main(["plan", "--model", "tiny-llama", "--seq", "1000000000", "--out",
+                 str(tmp_path / "p.json")]) == 0
+    assert "warning: the plan predicts a peak of" in capsys.readouterr().err
+
+
+def test_plan_for_another_model_type_of_the_same_depth_is_refused(tmp_path):
+    """tiny-qwen3 and tiny-llama both have 4 full-attention layers: only the model type tells
+    the plans apart, and `train` must refuse one for the other, as the README says."""
+    from test_train import small_cfg
+
+    from segback.engine import PlanError
+    from segback.planner import plan_segments
+    from segback.trainer import cli
+
+    plan = plan_segments("tiny-qwen3", 64, batch_size=2)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    model = build_model("tiny-llama")
+    with pytest.raises(PlanError, match="made for a qwen3 model .* not llama"):
+        cli.resolve_plan(small_cfg(tmp_path, plan=str(path)), model)
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps(plan_segments("tiny-llama", 64, batch_size=2).to_dict()))
+    cli.resolve_plan(small_cfg(tmp_path, plan=str(llama)), model)  # its own model's plan
+
+
+def test_torn_base_weights_are_one_line(model_dir, tmp_path):
+    import shutil
+
+    torn = tmp_path / "model"
+    shutil.copytree(model_dir, torn)
+    weights = sorted(torn.glob("*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"{weights} cannot be read .*truncated or corrupt"):
+        load(str(torn))
+
+
+def test_adapter_path_naming_a_file_is_one_line(tmp_path, capsys):
+    from segback.cli import main
+
+    (tmp_path / "adapters").write_text("")
+    rc = main(["train", "--model", "tiny-llama", "--data", str(tmp_path), "--adapter-path",
+               str(tmp_path / "adapters"), "--iters", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"segback train: error: --adapter-path {tmp_path / 'adapters'} "
+                               "is a file, not a directory: give a directory (the adapter's "
+                               "files and checkpoints go inside it)"]

@@ -1,5 +1,5 @@
 """Data-parallel `segback train`: two local ranks (mlx.launch, ring backend, CPU) against one
-process of twice the batch size, on a random tiny-llama.
+process of the same --batch-size (the global batch, as in mlx_lm.lora), on a random tiny-llama.
 
 The two-rank runs are real `mlx.launch -n 2 --backend ring` launches of `segback train` on
 127.0.0.1 (offline). They use SGD with momentum: its weights are linear in the gradients, so a
@@ -25,6 +25,7 @@ from test_train import chat_rows, parse, read_log, small_cfg, write_jsonl
 
 from segback.blas import find_openblas
 from segback.data import ByteTokenizer, batch_at, batch_groups, collate, epoch_permutation
+from segback.models.geometry import build_model
 from segback.trainer import cli, distributed, loop
 from segback.trainer.distributed import World
 
@@ -88,8 +89,8 @@ def launch(args: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Two ranks of batch 2 for 3 steps; the same resumed from its step-2 checkpoint; one
-    process of batch 4."""
+    """Two ranks of --batch-size 4 (2 rows each) for 3 steps; the same resumed from its step-2
+    checkpoint; one process of --batch-size 4."""
     if not mx.distributed.is_available("ring"):
         pytest.skip("this MLX build has no ring backend (mx.distributed.is_available('ring') "
                     "is False)")
@@ -99,10 +100,10 @@ def runs(tmp_path_factory) -> dict:
     common = [*OPTIONS, "--data", str(tmp / "data"), "-c", str(tmp / "sgd.yaml"),
               "--iters", str(ITERS)]
     two = tmp / "two"
-    first = launch([*common, "--batch-size", "2", "--adapter-path", str(two)])
+    first = launch([*common, "--batch-size", "4", "--adapter-path", str(two)])
     shutil.copytree(two, tmp / "uninterrupted")
     shutil.rmtree(two / "checkpoints" / f"step_{ITERS:06d}")  # as if killed after step 2
-    again = launch([*common, "--batch-size", "2", "--adapter-path", str(two)])
+    again = launch([*common, "--batch-size", "4", "--adapter-path", str(two)])
     one = tmp / "one"
     assert cli.main(parse([*common, "--batch-size", "4", "--adapter-path", str(one)])) == 0
     return {"two": two, "one": one, "uninterrupted": tmp / "uninterrupted", "first": first,
@@ -113,7 +114,7 @@ def losses(out: Path) -> list[dict]:
     return [r for r in read_log(out / "train_log.jsonl") if "loss" in r]
 
 
-def test_two_ranks_equal_one_process_of_twice_the_batch(runs):
+def test_two_ranks_equal_one_process_of_the_same_batch_size(runs):
     two, one = losses(runs["two"]), losses(runs["one"])
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, ITERS + 1))
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]  # all ranks' tokens
@@ -136,7 +137,8 @@ def test_two_ranks_equal_one_process_of_twice_the_batch(runs):
 def test_world_size_is_recorded_and_resume_continues(runs):
     summary = json.loads((runs["two"] / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 4
-    assert summary["batch_size"] == 2 and summary["resumed_from"] == ITERS - 1
+    assert summary["batch_size"] == 4 and summary["rank_batch_size"] == 2
+    assert summary["resumed_from"] == ITERS - 1
     state = json.loads((runs["two"] / "checkpoints" / f"step_{ITERS:06d}" / "state.json"
                         ).read_text())
     assert state["world_size"] == 2
@@ -167,7 +169,7 @@ def test_resume_with_another_number_of_ranks_is_refused(runs, tmp_path, capsys):
     out = tmp_path / "two"
     shutil.copytree(runs["two"], out)
     common = [*OPTIONS, "--data", str(runs["tmp"] / "data"), "-c",
-              str(runs["tmp"] / "sgd.yaml"), "--batch-size", "2", "--adapter-path", str(out)]
+              str(runs["tmp"] / "sgd.yaml"), "--batch-size", "4", "--adapter-path", str(out)]
     assert cli.main(parse([*common, "--iters", str(ITERS + 1)])) == 2
     err = capsys.readouterr().err
     assert "2 rank(s), this run has 1" in err and "mlx.launch -n 2" in err, err
@@ -175,12 +177,58 @@ def test_resume_with_another_number_of_ranks_is_refused(runs, tmp_path, capsys):
     assert cli.main(parse([*common, "--iters", "1", "--no-resume"])) == 0  # as it says
 
 
+def old_meaning(runs, tmp_path) -> Path:
+    """The two-rank run as an older segback wrote it: --batch-size 2 per rank, a global batch
+    of 4, and no `batch_size_is` in its checkpoints."""
+    out = tmp_path / "old"
+    shutil.copytree(runs["two"], out)
+    for state_file in (out / "checkpoints").glob("step_*/state.json"):
+        state = json.loads(state_file.read_text())
+        del state["batch_size_is"]
+        state["identity"]["batch_size"] = state["config"]["batch_size"] = 2
+        state_file.write_text(json.dumps(state))
+    shutil.rmtree(out / "checkpoints" / f"step_{ITERS:06d}")
+    return out
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_checkpoint_of_the_old_per_rank_meaning(runs, tmp_path, capsys, batch):
+    """An adapter directory trained when --batch-size meant per rank resumes with a note when
+    given its global batch (4, the same batches), and is refused, saying what to give, under
+    its old number (2, which now means half the batch); never a silent change of batch."""
+    from segback.trainer.checkpoints import ResumeError, Run
+
+    out = old_meaning(runs, tmp_path)
+    cfg = small_cfg(out, data=str(runs["tmp"] / "data"), max_seq_length=128, batch_size=batch,
+                    grad_accumulation_steps=2, optimizer="sgd", learning_rate=0.5,
+                    optimizer_config={"sgd": {"momentum": 0.9}}, lora_dropout=0.0,
+                    lora_rank=8, lora_scale=20.0, iters=ITERS, warmup=0, save_every=1)
+    model = build_model("tiny-llama")
+    cli.attach(model, cfg)
+    train_set = loop.as_dataset(chat_rows(16), ByteTokenizer(), cfg, "train")  # its data
+    run = Run(cfg, model, train_set, world_size=2)
+    if batch == 2:
+        with pytest.raises(ResumeError, match="--batch-size 2 per rank on 2 ranks .* resume "
+                                              "with --batch-size 4"):
+            run.start(model, cli.build_optimizer(cfg), {})
+        return
+    assert run.start(model, cli.build_optimizer(cfg), {}) == ITERS - 1
+    assert "that is --batch-size 4 as it is read now" in capsys.readouterr().err
+
+
+def test_a_batch_the_ranks_cannot_share_is_refused():
+    with pytest.raises(distributed.DistributedError, match="--batch-size 3 is the global batch, "
+                                                           "split across 2 ranks"):
+        distributed.rank_batch(3, World(None, 0, 2))
+    assert distributed.rank_batch(4, World(None, 1, 2)) == 2
+
+
 # ---- without a launcher ----------------------------------------------------------------------
 
 
 def test_each_rank_reads_its_slice_padded_alone():
-    """Rank r's part of global batch k is rows [r*b, (r+1)*b) of the batch one process of
-    batch 2b reads, collated as if alone (its own width)."""
+    """Rank r's part of global batch k (--batch-size 2b) is rows [r*b, (r+1)*b) of the batch
+    one process of batch 2b reads, collated as if alone (its own width)."""
     rows = chat_rows(9, seed=3) + [{"messages": [{"role": "user", "content": "hi"},
                                                  {"role": "assistant", "content": "yo"}]}] * 3
     cfg = small_cfg(Path("unused"), max_seq_length=128)
@@ -192,7 +240,7 @@ def test_each_rank_reads_its_slice_padded_alone():
         group = groups[epoch_permutation(len(groups), seed, epoch)[pos]]
         whole, _ = batch_at(ds, index, 2 * b, seed, cfg.max_seq_length)
         for r in range(2):
-            got, got_len = distributed.batch_at(ds, index, b, seed, cfg.max_seq_length,
+            got, got_len = distributed.batch_at(ds, index, 2 * b, seed, cfg.max_seq_length,
                                                 World(None, r, 2))
             want, want_len = collate([ds[i] for i in group[r * b:(r + 1) * b]],
                                      cfg.max_seq_length)

@@ -287,3 +287,29 @@ def test_resume_generates_only_the_missing_rows(model_dir, tmp_path, monkeypatch
     asked.clear()
     run_main(model_dir, data, out, "--max-tokens", "4")
     assert sorted(asked) == ["1", "a", "b", "t"]
+
+
+def test_read_only_output_is_one_line(model_dir, tmp_path, monkeypatch, capsys):
+    """`segback generate --out` on a read-only filesystem: the scratch file cannot be made and
+    its cleanup raises EROFS too; the user reads one line naming the file, no traceback."""
+    import errno
+    from pathlib import Path
+
+    from segback import io as sio
+    from segback.cli import main
+
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps(case("a", 2)) + "\n")
+    out = tmp_path / "ro" / "predictions.jsonl"
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(sio.os, "open", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    rc = main(["generate", "--model", str(model_dir), "--data", str(data), "--out", str(out),
+               "--max-tokens", "4"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("segback generate")]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("segback generate: error: cannot write ") and \
+        "Read-only file system" in err[0]

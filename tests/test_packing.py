@@ -204,7 +204,7 @@ def test_each_rank_reads_its_packed_rows_padded_alone():
     for index in range(3):
         whole, wl = batch_at(ds, index, 4, seed=5, max_len=64)
         for r in range(2):
-            got, gl = distributed.batch_at(ds, index, 2, 5, 64, World(None, r, 2))
+            got, gl = distributed.batch_at(ds, index, 4, 5, 64, World(None, r, 2))
             lo = 2 * r
             parts = [ds.parts[[ids for ids, _ in ds.examples].index(
                 whole[lo + j, :int(wl.tokens_per_row()[lo + j])].tolist())] for j in range(2)]

@@ -104,9 +104,12 @@ def test_cli_list_config_and_single_config_targets(tmp_path):
 
 def test_ranks_launch_the_trainer(tmp_path):
     out = snakemake(tmp_path, "-n", "-p", "--cores", "4",
-                    *override(tmp_path, "ranks", ranks=2)).stdout
+                    *override(tmp_path, "ranks", ranks=2, batch_size=2)).stdout
     cmds = shell_commands(out, "train_lora")
     assert len(cmds) == 4
+    # --batch-size is the global batch (as mlx_lm.lora): each rank runs, and is planned for, 1
+    assert all(" --batch-size 2 " in c for c in cmds)
+    assert all(" --batch 1 " in c for c in shell_commands(out, "plan_segments"))
     for cmd in cmds:
         launch, sep, train = cmd.partition(" -- ")
         assert sep and "mlx.launch -n 2 --backend ring --starting-port" in launch, cmd
@@ -116,8 +119,8 @@ def test_ranks_launch_the_trainer(tmp_path):
     assert re.findall(r"rule train_lora:(?:.|\n)*?threads: (\d+)", out) == ["4"] * 4
     out = snakemake(tmp_path, "-n", "-p", "--cores", "4", "--configfile", str(SMOKE),
                     str(write_yaml(tmp_path / "nccl.yaml", {"train": {
-                        "ranks": 2, "launcher": "my-launch --hostfile h.json",
-                        "backend": "nccl"}}))).stdout
+                        "ranks": 2, "batch_size": 2, "backend": "nccl",
+                        "launcher": "my-launch --hostfile h.json"}}))).stdout
     (cmd,) = shell_commands(out, "train_lora")
     assert cmd.startswith("my-launch --hostfile h.json -n 2 --backend nccl --nccl-port ")
     out = snakemake(tmp_path, "-n", "-p", "--cores", "4", "--configfile", str(SMOKE)).stdout
@@ -190,7 +193,7 @@ def test_a_failed_rank_fails_the_training_job(tmp_path, fake_env):
     launcher = tmp_path / "launch.py"
     launcher.write_text(FAKE_LAUNCHER)
     over = write_yaml(tmp_path / "ranks.yaml", {"train": {
-        "ranks": 2, "launcher": f"{sys.executable} {launcher}"}})
+        "ranks": 2, "batch_size": 2, "launcher": f"{sys.executable} {launcher}"}})
     work = tmp_path / "work"
     work.mkdir()
     out = snakemake(work, "--cores", "2", "--configfile", str(SMOKE), str(over), "--",

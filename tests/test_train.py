@@ -375,7 +375,9 @@ def test_tiled_training_matches_untiled(tmp_path, capsys):
 def test_checkpoint_dir_survives_the_adapter_dir_and_restarts_on_change(tmp_path, capsys):
     """Checkpoints outside --adapter-path: deleting the adapter directory (what Snakemake does
     to an interrupted job's outputs) loses nothing; changed settings start afresh with
-    --restart-on-change; --clean-checkpoints removes them once the adapter is written."""
+    --restart-on-change; --clean-checkpoints removes all but the last once the adapter is
+    written, so a rerun of the finished run (its workflow stopped before recording it) is
+    instant and writes the same adapter."""
     import shutil
 
     rows = chat_rows(9)
@@ -400,7 +402,11 @@ def test_checkpoint_dir_survives_the_adapter_dir_and_restarts_on_change(tmp_path
     again = tiny_run(changed, rows)
     assert again["resumed_from"] is None
     assert "another setting (learning_rate" in capsys.readouterr().err
-    assert not ckpt.exists()
+    assert [p.name for p in ckpt.glob("step_*")] == ["step_000006"]
+    done = (tmp_path / "out/adapters.safetensors").read_bytes()
+    shutil.rmtree(tmp_path / "out")
+    assert tiny_run(changed, rows)["resumed_from"] == 6  # no step trained again
+    assert (tmp_path / "out/adapters.safetensors").read_bytes() == done
 
 
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):

@@ -205,7 +205,8 @@ def test_workflow_train_rule_is_checked_against_the_declaration(tmp_path):
                           "--", "results/gemma3/seq2048/adapter"],
                          capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if re.search(r"(^|: )segback train ", x))
-    argv = shlex.split(line.split("segback train ", 1)[1].split(">")[0])
+    argv = shlex.split(line.split("segback train ", 1)[1].split(">")[0]
+                       .replace("$PPID", "4321"))  # as the job's shell expands it
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cfg = from_args(parser.parse_args(argv))
@@ -214,6 +215,7 @@ def test_workflow_train_rule_is_checked_against_the_declaration(tmp_path):
     assert cfg.steps_per_eval == train["val_every"]
     assert cfg.max_seq_length == 2048 and cfg.mask_prompt
     assert cfg.checkpoint_dir.endswith("train_work/checkpoints") and cfg.restart_on_change
+    assert cfg.parent_pid == 4321  # the trainer stops when its Snakemake is gone
 
 
 def test_measure_plan_takes_auto_or_a_count():

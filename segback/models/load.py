@@ -46,13 +46,31 @@ def _load_dir(path: Path, adapter_path: str | None) -> tuple[nn.Module, object |
     import mlx_lm
     from mlx_lm.utils import load_model
 
-    if any((path / f).exists() for f in TOKENIZER_FILES):
-        model, tokenizer = mlx_lm.load(str(path))
-    else:
-        model, tokenizer = load_model(path)[0], None
+    try:
+        if any((path / f).exists() for f in TOKENIZER_FILES):
+            model, tokenizer = mlx_lm.load(str(path))
+        else:
+            model, tokenizer = load_model(path)[0], None
+    except RuntimeError:
+        torn = torn_weights(path)
+        if torn is None:
+            raise
+        raise ValueError(f"{torn[0]} cannot be read ({torn[1]}): the file is truncated or "
+                         "corrupt (an interrupted copy, download or conversion?); copy it "
+                         "again, or run `segback prepare-model` again") from None
     if adapter_path is not None:
         _mount(model, adapter_path)
     return model, tokenizer
+
+
+def torn_weights(path: Path) -> tuple[Path, str] | None:
+    """(file, reason) of the first weight file in checkpoint `path` that MLX cannot read."""
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            mx.load(str(f))
+        except (RuntimeError, ValueError, OSError) as e:
+            return f, str(e).removeprefix("[load_safetensors] ")
+    return None
 
 
 def _mount(model: nn.Module, adapter_path: str | Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from segback.engine import options as engine_options
@@ -13,6 +14,21 @@ from segback.planner.measure import parse_measure
 from segback.planner.plan import describe, plan_segments
 
 SEARCHED = ("attention", "tile", "offload", "light_tile", "boundaries_on_device")
+# A predicted peak past this is no plan for any machine: said, not silently written.
+ABSURD_GB = 1 << 16
+
+
+def number_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numbers given (NaN, a negative target, ...), in one line."""
+    for flag, v, low, inclusive in (("--seq", args.seq, 2, True), ("--batch", args.batch, 1, True),
+                                    ("--target-gb", args.target_gb, 0.0, False),
+                                    ("--time-budget", args.time_budget, 1.0, True)):
+        if v is None:
+            continue
+        if not math.isfinite(v) or v < low or (v == low and not inclusive):
+            return (f"{flag} {v}: give a finite number {'>=' if inclusive else '>'} {low:g}"
+                    + (" (GB)" if flag == "--target-gb" else ""))
+    return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from segback.io import atomic_write_json
 
+    problem = number_problem(args)
+    if problem:
+        print(f"segback plan: error: {problem}", file=sys.stderr)
+        return 2
     try:
         runtime = engine_options.from_args(args, skip=SEARCHED)
         plan = plan_segments(args.model, args.seq, args.batch, args.target_gb, args.time_budget,
@@ -80,7 +100,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"segback plan: error: {e}", file=sys.stderr)
         return 2
     plan.inputs["model"] = str(args.model)
-    atomic_write_json(args.out, plan.to_dict())
+    if plan.predicted_peak_gb > ABSURD_GB:
+        print(f"segback plan: warning: the plan predicts a peak of {plan.predicted_peak_gb:.3g} "
+              f"GB at --seq {args.seq} --batch {args.batch}: no machine has that; check the "
+              "length and batch", file=sys.stderr)
+    try:
+        atomic_write_json(args.out, plan.to_dict())
+    except OSError as e:  # a WriteError: names --out, says what to do
+        print(f"segback plan: error: {e}", file=sys.stderr)
+        return 2
     engine = plan.engine
     print(describe(plan))
     print(f"predicted peak {plan.predicted_peak_gb:.2f} GB (at {plan.peak_at}), "

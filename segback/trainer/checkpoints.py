@@ -11,7 +11,10 @@ order and dropout: the trainable weights and the optimizer state. Resume refuses
 made for another model, data, dtype or a setting that fixes the data order or the adapter's
 shape; a different BLAS thread count only warns (float sums may then round differently).
 Every file is written atomically (temp + rename); a checkpoint directory is complete once its
-state.json exists.
+state.json exists. One whose files cannot be read (a torn copy, a disk error) is set aside
+with a warning and the newest intact one resumes. A finished run keeps its last checkpoint
+when asked to clean up, so running a finished training again (its workflow stopped before
+recording it) rewrites the same adapter at once instead of training again.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from segback.adapters import CONFIG_FILE, WEIGHTS_FILE, save_safetensors_atomic
+from segback.adapters import CONFIG_FILE, WEIGHTS_FILE, base_fingerprint, \
+    save_safetensors_atomic
 from segback.io import atomic_write_json, atomic_write_text, read_json
 
 CHECKPOINTS = "checkpoints"
+FINISHED = "finished"  # checkpoints/finished/KEY: the last checkpoint of finished settings
 SUMMARY = "train_summary.json"
 # Options that fix the data order, the adapter's shape or its meaning: a resume must match.
 RESUME_KEYS = ("model", "data", "fine_tune_type", "num_layers", "lora_parameters", "seed",
@@ -44,6 +49,7 @@ RESUME_KEYS = ("model", "data", "fine_tune_type", "num_layers", "lora_parameters
 
 # Options that change how a run is watched or where it writes, not the adapter it ends with.
 RUN_ONLY = {"adapter_path", "checkpoint_dir", "log", "progress", "resume", "keep_checkpoints",
+            "parent_pid",
             "clean_checkpoints", "restart_on_change", "steps_per_report", "report_to",
             "project_name", "config", "test", "test_batches", "save_every"}
 
@@ -54,6 +60,11 @@ class TrainingDiverged(RuntimeError):
 
 class ResumeError(ValueError):
     """The newest checkpoint was made for other settings than this run's."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT or SIGTERM (or the workflow that started the run exited); the checkpoints
+    stay, and the same command resumes from the last one."""
 
 
 def blas_threads() -> int:
@@ -92,6 +103,28 @@ def check_resume(saved: dict, current: dict, path: Path) -> None:
         what = ", ".join(f"{k}: {_short(saved.get(k))} -> {_short(current[k])}" for k in changed)
         raise ResumeError(f"cannot resume from {path}: {what} changed; use --no-resume or "
                           "another --adapter-path")
+
+
+def global_batch(state: dict, path: Path, batch_size: int, say: bool = True) -> dict:
+    """A checkpoint's identity with --batch-size as the global batch. Before that meaning
+    (mlx_lm.lora's), a run of N ranks read --batch-size per rank: its global batch was N times
+    it, which is what a resume must now be given (the data order is then the same)."""
+    saved, ranks = dict(state["identity"]), state.get("world_size", 1)
+    if ranks == 1 or state.get("batch_size_is") == "global":
+        return saved
+    per_rank = saved.get("batch_size")
+    saved["batch_size"] = per_rank * ranks
+    if batch_size != per_rank * ranks:
+        raise ResumeError(
+            f"cannot resume from {path}: it was trained with --batch-size {per_rank} per rank on "
+            f"{ranks} ranks (segback's old meaning), a global batch of {per_rank * ranks}; "
+            "--batch-size is now the global batch, split across the ranks as in mlx_lm.lora: "
+            f"resume with --batch-size {per_rank * ranks}, or start afresh with --no-resume")
+    if say:
+        print(f"segback: note: {path} was trained with --batch-size {per_rank} per rank on "
+              f"{ranks} ranks; that is --batch-size {per_rank * ranks} as it is read now (the "
+              "global batch): resuming with the same batches", file=sys.stderr)
+    return saved
 
 
 def _short(v: Any) -> str:
@@ -137,6 +170,39 @@ class JsonlLog:
             f.flush()
 
 
+def damaged(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be resumed (a file torn or unreadable), else None."""
+    try:
+        state = read_json(path / "state.json")
+        if not isinstance(state, dict) or "step" not in state:
+            return "state.json holds no step"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"state.json: {e}"
+    for name in (WEIGHTS_FILE, "optimizer.safetensors"):
+        try:
+            mx.load(str(path / name))
+        except (RuntimeError, ValueError, OSError) as e:
+            return f"{name}: {str(e).removeprefix('[load_safetensors] ')}"
+    return None
+
+
+def intact_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """`list_checkpoints`, after removing the newest ones that cannot be read (each named on
+    stderr): resume then starts from the newest intact one."""
+    found = list_checkpoints(root)
+    while found:
+        step, path = found[-1]
+        why = damaged(path)
+        if why is None:
+            break
+        found.pop()
+        older = f"step {found[-1][0]}" if found else "none: training starts afresh"
+        print(f"segback: warning: checkpoint {path} is damaged ({why}); removed it, resuming "
+              f"from the newest intact one ({older})", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
+    return found
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints in `root` (state.json is written last), oldest first."""
     found = []
@@ -167,14 +233,15 @@ class Run:
     def __init__(self, args: Any, model: nn.Module, train_set: Any, world_size: int = 1):
         self.args = args
         self.world_size = world_size  # data-parallel ranks (rank 0 alone holds a Run)
-        self.out = Path(args.adapter_path)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = Path(args.adapter_path)  # made when the adapter is written: a workflow
+        # sees no output of an unfinished run
         # Checkpoints live in --checkpoint-dir when given: a directory a workflow manager does
         # not own survives the deletion of an interrupted job's outputs.
         self.ckpt = Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) \
             else self.out / CHECKPOINTS
         self.log = JsonlLog(Path(args.log) if args.log else self.out / "train_log.jsonl")
         self.identity = identity(args, model, train_set)
+        self.base = base_fingerprint(model)
         self.threads = blas_threads()
         self.last_saved: int | None = None
         self.resumed_from: int | None = None
@@ -184,22 +251,32 @@ class Run:
         cfg = self.args.to_dict() if hasattr(self.args, "to_dict") else dict(vars(self.args))
         if cfg.get("fine_tune_type") == "full":
             cfg["lora_parameters"] = None  # as mlx-lm
-        return cfg
+        return cfg | {"base_model_sha256": self.base}
 
     def start(self, model: nn.Module, optimizer: optim.Optimizer, stats: dict) -> int:
         """The step to continue after: the newest checkpoint's (restored into model, optimizer
         and stats) when resuming, else 0 (old checkpoints and log removed)."""
         for tmp in self.ckpt.glob(".tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
-        checkpoints = list_checkpoints(self.ckpt)
+        checkpoints = intact_checkpoints(self.ckpt)
         start = 0
         changed = self._changed(checkpoints[-1][1]) if checkpoints and self.args.resume and \
             getattr(self.args, "restart_on_change", False) else None
         if changed:
             print(f"segback: the checkpoints in {self.ckpt} were made with another {changed}: "
                   "starting afresh (--restart-on-change)", file=sys.stderr)
-            shutil.rmtree(self.ckpt, ignore_errors=True)
+            self._set_aside(checkpoints[-1][1])
+            for _, old in checkpoints:
+                shutil.rmtree(old, ignore_errors=True)
             checkpoints = []
+        kept = self.ckpt / FINISHED / self._key(self.identity, self.world_size,
+                                                self.adapter_config())
+        if not checkpoints and self.args.resume and kept.is_dir():
+            step = read_json(kept / "state.json")["step"]
+            print(f"segback: these settings finished before ({kept}): resuming from their last "
+                  "checkpoint", file=sys.stderr)
+            os.replace(kept, self.ckpt / f"step_{step:06d}")
+            checkpoints = intact_checkpoints(self.ckpt)
         if checkpoints and self.args.resume:
             start, path = checkpoints[-1]
             if start > self.args.iters:
@@ -210,13 +287,18 @@ class Run:
                 raise ResumeError(f"{path} was written by an older segback train; use "
                                   "--no-resume or another --adapter-path")
             ranks = state.get("world_size", 1)
-            if ranks != self.world_size:  # the global batch (ranks x batch size) would change
+            if ranks != self.world_size:  # each rank's slice and dropout stream would change
                 raise ResumeError(
                     f"cannot resume from {path}: it was trained on {ranks} rank(s), this run "
                     f"has {self.world_size}; resume with {ranks} rank(s) ("
                     + (f"mlx.launch -n {ranks} ..." if ranks > 1 else "without a launcher")
                     + "), or start afresh with --no-resume")
-            check_resume(state["identity"], self.identity, path)
+            check_resume(global_batch(state, path, self.identity["batch_size"]), self.identity,
+                          path)
+            if state["config"].get("base_model_sha256", self.base) != self.base:
+                raise ResumeError(f"cannot resume from {path}: it was trained on another base "
+                                  f"model than {self.args.model} holds now (same name, other "
+                                  "weights); use --no-resume or another --adapter-path")
             if state.get("blas_threads") != self.threads:
                 print(f"segback: warning: {path} was trained with {state.get('blas_threads')} "
                       f"BLAS threads, this run has {self.threads}: the result will not be "
@@ -261,7 +343,8 @@ class Run:
                                 dict(tree_flatten(optimizer.state)))
         atomic_write_json(tmp / "state.json", {
             "step": step, "config": self.adapter_config(), "identity": self.identity,
-            "blas_threads": self.threads, "stats": stats, "world_size": self.world_size})
+            "blas_threads": self.threads, "stats": stats, "world_size": self.world_size,
+            "batch_size_is": "global"})
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -282,15 +365,53 @@ class Run:
         raise TrainingDiverged(msg)
 
     def finish(self, model: nn.Module, summary: dict) -> dict:
-        """The adapter in mlx-lm's layout and train_summary.json; the checkpoints go if the
-        user asked (`--clean-checkpoints`)."""
+        """The adapter in mlx-lm's layout and train_summary.json; with `--clean-checkpoints`
+        every checkpoint but the last goes (the last makes a rerun of this finished training
+        instant and bit-identical)."""
         save_adapter(model, self.out, self.adapter_config())
         summary = {**summary, "resumed_from": self.resumed_from, "blas_threads": self.threads,
                    "dtype": self.identity["dtype"], "adapter_path": str(self.out)}
         atomic_write_json(self.out / SUMMARY, summary)
         if getattr(self.args, "clean_checkpoints", False):
-            shutil.rmtree(self.ckpt, ignore_errors=True)
+            for _, old in list_checkpoints(self.ckpt)[:-1]:
+                shutil.rmtree(old, ignore_errors=True)
         return summary
+
+    def interrupted(self, step: int, why: str) -> Interrupted:
+        """The one line an interrupted run ends with."""
+        last = f"the last checkpoint is step {self.last_saved} ({self.ckpt})" \
+            if self.last_saved else "no checkpoint was saved yet"
+        msg = (f"{why} at step {step} of {self.args.iters}; stopped ({last}). Run the same "
+               "command again to resume.")
+        self.log.write({"step": step, "interrupted": msg})
+        return Interrupted(msg)
+
+    @staticmethod
+    def _key(identity: dict, world_size: int, config: dict) -> str:
+        """Names a run's settings: what fixes its result (not RUN_ONLY options)."""
+        kept = {k: v for k, v in config.items() if k not in RUN_ONLY}
+        text = json.dumps([identity, world_size, kept], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _set_aside(self, path: Path) -> None:
+        """Keep the last checkpoint of a finished run whose settings this run replaces (in
+        FINISHED/, by settings): going back to them (a config change that failed, reverted)
+        then resumes it instead of training again. The newest `keep_checkpoints` are kept."""
+        try:
+            state = read_json(path / "state.json")
+        except (OSError, ValueError):
+            return
+        if state.get("step") != state.get("config", {}).get("iters"):
+            return  # unfinished: its steps are cheaper to redo than to keep around
+        root = self.ckpt / FINISHED
+        root.mkdir(parents=True, exist_ok=True)
+        key = self._key(state["identity"], state.get("world_size", 1), state["config"])
+        shutil.rmtree(root / key, ignore_errors=True)
+        os.replace(path, root / key)
+        keep = self.args.keep_checkpoints
+        if keep > 0:
+            for old in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _changed(self, path: Path) -> str | None:
         """What differs between the newest checkpoint's run and this one (None: nothing that
@@ -298,12 +419,18 @@ class Run:
         state = read_json(path / "state.json")
         if "identity" not in state:
             return "segback version"
-        moved = [k for k in self.identity if state["identity"].get(k) != self.identity[k]]
+        try:
+            saved = global_batch(state, path, self.identity["batch_size"], say=False)
+        except ResumeError:
+            return "batch_size (--batch-size is now the global batch, as in mlx_lm.lora)"
+        moved = [k for k in self.identity if saved.get(k) != self.identity[k]]
         if moved:
             return ", ".join(moved)
         if state.get("world_size", 1) != self.world_size:
             return "number of ranks"
         saved, now = state.get("config", {}), self.adapter_config()
-        keys = sorted(k for k in set(saved) | set(now)
-                      if k not in RUN_ONLY and saved.get(k) != now.get(k))
+        keys = sorted(k for k in set(saved) | set(now)  # identity's keys are compared above
+                      if k not in RUN_ONLY and k not in self.identity
+                      and saved.get(k) != now.get(k)
+                      and (k in saved or k != "base_model_sha256"))  # older: not recorded
         return f"setting ({', '.join(keys)})" if keys else None

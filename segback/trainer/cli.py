@@ -28,9 +28,10 @@ from segback.engine import EngineOptions, OptionsError, Plan, PlanError, segment
 from segback.engine.options import parse_value
 from segback.io import atomic_write_json
 from segback.trainer import distributed, loop
-from segback.trainer.checkpoints import SUMMARY, ResumeError, TrainingDiverged
+from segback.trainer.checkpoints import SUMMARY, Interrupted, ResumeError, TrainingDiverged
 from segback.trainer.config import ConfigError, TrainConfig, add_arguments, from_args, \
     split_engine
+from segback.trainer.stop import interruptible
 from segback.lock import LockedError, exclusive
 
 __all__ = ["add_arguments", "main", "run"]
@@ -43,11 +44,20 @@ def main(args: argparse.Namespace) -> int:
     world = None
     try:
         cfg = from_args(args)
-        world = distributed.init()  # the ranks mlx.launch started (one without it)
-        lock = exclusive(cfg.checkpoint_dir or cfg.adapter_path) if world.main else \
-            nullcontext()  # one writer per run: rank 0
-        with distributed.quiet(world), lock:
-            result = run(cfg, world)
+        with interruptible(cfg.parent_pid):
+            world = distributed.init()  # the ranks mlx.launch started (one without it)
+            lock = exclusive(cfg.checkpoint_dir or cfg.adapter_path) if world.main else \
+                nullcontext()  # one writer per run: rank 0
+            with distributed.quiet(world), lock:
+                result = run(cfg, world)
+    except Interrupted as e:
+        if world is None or world.main:
+            print(f"segback train: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt as e:  # before the first step: nothing to resume yet
+        print(f"segback train: interrupted ({e or 'SIGINT'}) before training started",
+              file=sys.stderr)
+        return 130
     except TrainingDiverged as e:
         if world is None or world.main:  # every rank stops at the same step; rank 0 says it
             print(f"segback train: {e}", file=sys.stderr)
@@ -79,7 +89,7 @@ def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
                   "segment's activations alive, which replaces gradient checkpointing",
                   file=sys.stderr)
         attach(model, cfg)
-        plan = resolve_plan(cfg, model)
+        plan = resolve_plan(cfg, model, distributed.rank_batch(cfg.batch_size, world))
         describe(plan, model, cfg)
         result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg,
                             loop.segmented_grad_fn(plan), training_callback=callback,
@@ -175,16 +185,37 @@ def load_adapter_file(model: nn.Module, path: str) -> None:
     tensors the model does not train or of another shape."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"--resume-adapter-file {path}: no such file")
-    weights = mx.load(path)
+    try:
+        weights = mx.load(path)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"--resume-adapter-file {path} cannot be read ("
+                         f"{str(e).removeprefix('[load_safetensors] ')}): it is truncated or "
+                         "corrupt; copy it again, or train without it") from None
     trainable = dict(tree_flatten(model.trainable_parameters()))
     bad = [f"{k} {tuple(v.shape)}" for k, v in weights.items()
            if k not in trainable or trainable[k].shape != v.shape]
     if bad:
         raise ValueError(f"--resume-adapter-file {path} does not fit this adapter "
                          f"(--fine-tune-type, --num-layers, rank, keys?): {', '.join(bad[:3])}")
+    warn_other_base(model, Path(path).with_name("adapter_config.json"), path)
     print(f"segback: loading fine-tuned weights from {path}", file=sys.stderr)
     model.load_weights(list(weights.items()), strict=False)
     mx.eval(model.parameters())
+
+
+def warn_other_base(model: nn.Module, config_file: Path, path: str) -> None:
+    """Warn when the adapter_config.json beside --resume-adapter-file says it was trained on
+    another base model (shapes alone cannot tell: a same-geometry model fits them)."""
+    from segback.adapters import base_fingerprint
+
+    try:
+        saved = json.loads(config_file.read_text()).get("base_model_sha256")
+    except (OSError, ValueError, AttributeError):
+        return  # no config beside it (mlx-lm's own adapters): nothing to compare
+    if saved and saved != base_fingerprint(model):
+        print(f"segback: warning: --resume-adapter-file {path} was trained on another base "
+              f"model than this one (its {config_file.name} records another "
+              "base_model_sha256): its weights will not mean what they did", file=sys.stderr)
 
 
 def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
@@ -205,10 +236,12 @@ def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     return cls(learning_rate=lr, **kwargs)
 
 
-def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
+def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = None) -> Plan:
     """The plan the engine runs, checked against the model: `--plan auto` asks the planner
     (with what the engine flags say, 'auto' included), a file is read (flags given on top of
-    its engine options), N makes segments of N layers."""
+    its engine options), N makes segments of N layers. `batch_size`: the rows each rank runs
+    (default --batch-size: one process)."""
+    batch_size = batch_size or cfg.batch_size
     from segback.engine.stack import get_stack
 
     searched, runtime = split_engine(cfg.engine)
@@ -231,7 +264,7 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
         fixed = EngineOptions.from_dict(runtime | {"attention": given.get("attention", "fused")},
                                         "engine options")
         plan = plan_segments(
-            model, cfg.max_seq_length, batch_size=cfg.batch_size, target_gb=cfg.target_gb,
+            model, cfg.max_seq_length, batch_size=batch_size, target_gb=cfg.target_gb,
             lora_rank=cfg.lora_parameters["rank"],
             lora_layers=None if cfg.num_layers < 0 else cfg.num_layers,
             attention=fixed.attention, tile=given.get("tile"),
@@ -245,8 +278,11 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module) -> Plan:
     else:
         plan = Plan(segments=segments_of(cfg.plan, n),
                     engine=EngineOptions.from_dict(searched | runtime, "engine options"))
-    plan.check(n, get_stack(model).layer_types, seq_len=cfg.max_seq_length,
-               batch_size=cfg.batch_size)
+    from segback.planner.geometry import text_parts
+
+    plan.check(n, get_stack(model).layer_types,
+               model_type=getattr(text_parts(model)[1], "model_type", None),
+               seq_len=cfg.max_seq_length, batch_size=batch_size)
     if cfg.pack and plan.engine.tile:
         raise ConfigError(f"--pack needs an untiled plan (this one has tiles of "
                           f"{plan.engine.tile} tokens): the tiled engine builds no "

@@ -206,8 +206,13 @@ class TrainConfig:
                                         "ADAPTER_PATH/checkpoints); give a directory your "
                                         "workflow manager does not delete with a failed job's "
                                         "outputs, and a re-run resumes", group="segback")
-    clean_checkpoints: bool = option(False, bool, "remove the checkpoints once the run has "
-                                     "finished and the adapter is written", group="segback")
+    clean_checkpoints: bool = option(False, bool, "remove all but the last checkpoint once "
+                                     "the run has finished and the adapter is written (the "
+                                     "last makes a rerun of the finished run instant)",
+                                     group="segback")
+    parent_pid: int | None = option(None, int, "stop, as on SIGTERM, when process PID exits "
+                                    "(a workflow passes its own: a trainer orphaned by a "
+                                    "killed workflow does not train on)", group="segback")
     restart_on_change: bool = option(False, bool, "checkpoints made with other settings, "
                                      "data or model are removed and training starts afresh "
                                      "(default: refuse to resume, naming what changed)",
@@ -553,6 +558,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: a config file is a mapping of option names to values")
+    if path.suffix != ".json":
+        from segback.config_check import duplicate_keys
+
+        twice = duplicate_keys(path)
+        if twice:
+            raise ConfigError(twice[0])
     return normalize(values, str(path))
 
 
@@ -602,4 +613,9 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
     missing = ["model"] * (not cfg.model) + ["data"] * (not (cfg.data or cfg.hf_dataset))
     if missing:
         raise ConfigError("missing option(s): " + ", ".join("--" + m for m in missing))
+    for flag, where in (("--adapter-path", cfg.adapter_path),
+                        ("--checkpoint-dir", cfg.checkpoint_dir)):
+        if where is not None and Path(where).exists() and not Path(where).is_dir():
+            raise ConfigError(f"{flag} {where} is a file, not a directory: give a directory "
+                              "(the adapter's files and checkpoints go inside it)")
     return cfg

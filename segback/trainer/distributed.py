@@ -5,10 +5,11 @@
 it is. `init()` calls `mx.distributed.init()` once and caches the `World`; without such an
 environment it is one rank and nothing below communicates.
 
-- Data: the global batch of step k, micro-batch j is the one a single process with
-  --batch-size N*b would read; rank r takes rows [r*b, (r+1)*b) of it (`batch_at`), padded only
-  to its own longest row. N ranks of batch b therefore see exactly the examples of one process
-  of batch N*b, step for step, in the same order.
+- Data: --batch-size B is the global batch, as in mlx_lm.lora: each of N ranks takes
+  b = B // N rows (B must be a multiple of N). The global batch of step k, micro-batch j is the
+  one a single process with --batch-size B would read; rank r takes rows [r*b, (r+1)*b) of it
+  (`batch_at`), padded only to its own longest row. N ranks therefore see exactly the examples
+  of one process of the same --batch-size, step for step, in the same order.
 - Gradients: each rank's grad_fn returns the mean over its own trained tokens. A micro-batch's
   gradient is sum_r grad_r * ntoks_r / sum_r ntoks_r (the token count is all-summed per
   micro-batch, the weighted gradients once per step), which is the mean over the global batch's
@@ -158,11 +159,20 @@ def shard(batch: mx.array, lengths: mx.array, world: World, batch_size: int
 
 def batch_at(dataset: TokenDataset, index: int, batch_size: int, seed: int, max_len: int,
              world: World) -> tuple[mx.array, mx.array]:
-    """This rank's part of the `index`-th global training batch (world.size * batch_size)."""
+    """This rank's part of the `index`-th global training batch of `batch_size` rows."""
     if world.size == 1:
         return _batch_at(dataset, index, batch_size, seed, max_len)
-    batch, lengths = _batch_at(dataset, index, batch_size * world.size, seed, max_len)
-    return shard(batch, lengths, world, batch_size)
+    batch, lengths = _batch_at(dataset, index, batch_size, seed, max_len)
+    return shard(batch, lengths, world, rank_batch(batch_size, world))
+
+
+def rank_batch(batch_size: int, world: World) -> int:
+    """Rows of a global batch each rank takes; refuses a batch the ranks cannot share."""
+    if batch_size % world.size:
+        raise DistributedError(
+            f"--batch-size {batch_size} is the global batch, split across {world.size} ranks "
+            f"(as in mlx_lm.lora): give a multiple of {world.size}")
+    return batch_size // world.size
 
 
 def rank_seed(seed: int, world: World) -> int:
@@ -172,11 +182,12 @@ def rank_seed(seed: int, world: World) -> int:
 
 
 def check_data(dataset: TokenDataset, batch_size: int, world: World) -> None:
-    if world.size > 1 and len(dataset) < batch_size * world.size:
+    if world.size > 1:
+        rank_batch(batch_size, world)
+    if world.size > 1 and len(dataset) < batch_size:
         raise DistributedError(
             f"{dataset.name} has {len(dataset)} usable examples, fewer than one global batch "
-            f"({world.size} ranks x --batch-size {batch_size}): add examples or lower the "
-            "batch size")
+            f"(--batch-size {batch_size}): add examples or lower the batch size")
 
 
 # ---- agreement -------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ weights, optimizer state and the step, and ends with the adapter of an uninterru
 non-finite loss or gradient norm stops the run at once, keeping the last good checkpoint.
 
 Under `mlx.launch` (or any launcher setting MLX's distributed environment) it is data-parallel:
-each rank trains on its slice of every global batch (ranks x --batch-size), gradients and loss
-are combined weighted by each rank's trained tokens, so the run equals one process with
---batch-size ranks x b; only rank 0 writes and reports (`segback.trainer.distributed`).
+--batch-size is the global batch, as in mlx_lm.lora, and each rank trains on its slice of it
+(--batch-size / ranks rows); gradients and loss are combined weighted by each rank's trained
+tokens, so the run equals one process of the same --batch-size; only rank 0 writes and reports
+(`segback.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from segback.engine.packing import input_tokens as count_input_tokens
 from segback.packing import PackedDataset, pack_dataset
 from segback.packing import describe as describe_packing
 from segback.trainer import distributed
-from segback.trainer.checkpoints import Run
+from segback.trainer.checkpoints import Interrupted, Run
 from segback.trainer.distributed import World
 
 GradFn = Callable[[nn.Module, mx.array, mx.array], tuple[tuple[mx.array, mx.array], Any]]
@@ -93,10 +94,11 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
         run.log.write({"step": step, "val_loss": val, "val_seconds": time.perf_counter() - tic})
         report.validation(step, val, time.perf_counter() - tic)
 
-    if start == 0:
-        validate(0)
     wall = time.perf_counter()
+    step = start
     try:
+        if start == 0:
+            validate(0)
         for step in range(start + 1, args.iters + 1):
             reset_peak()
             tic = time.perf_counter()
@@ -124,6 +126,11 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
                 validate(step)
             if step == args.iters or (args.save_every and step % args.save_every == 0):
                 run.save(step, model, optimizer, stats)
+    except KeyboardInterrupt as e:  # SIGINT, or what segback.trainer.stop makes one
+        why = f"interrupted ({e or 'SIGINT'})"
+        if world.main:
+            raise run.interrupted(step, why) from None
+        raise Interrupted(f"{why} at step {step} (rank {world.rank})") from None
     finally:
         report.close()
     plan = getattr(grad_fn, "plan", None)
@@ -205,7 +212,8 @@ def summary(args: Any, model: nn.Module, stats: dict, plan: Any, wall: float,
         "seq": args.max_seq_length,
         "batch_size": args.batch_size,
         "world_size": world.size,
-        "global_batch_size": args.batch_size * world.size,
+        "global_batch_size": args.batch_size,  # --batch-size is global, as in mlx_lm.lora
+        "rank_batch_size": args.batch_size // world.size,
         "grad_accum": args.grad_accumulation_steps,
         "segments": [list(s) for s in segments] if isinstance(segments, list) else segments,
         "plan": args.plan if isinstance(args.plan, (str, int)) else "list",
@@ -321,15 +329,16 @@ def evaluate(model: nn.Module, dataset: TokenDataset, args: Any, num_batches: in
              world: World | None = None) -> float:
     """Mean loss per token over a fixed set of batches (-1: all), dropout off.
 
-    With several ranks the batches are global ones (ranks x --batch-size), each rank scores its
-    slice and the sums are all-summed: the loss one process of that batch size reports."""
+    With several ranks the batches are global ones (--batch-size), each rank scores its slice
+    and the sums are all-summed: the loss one process of that batch size reports."""
     world = world or distributed.init()
     model.eval()
     total, count = 0.0, 0
     try:
-        for batch, lengths in validation_batches(dataset, args.batch_size * world.size,
-                                                 num_batches, args.seed, args.max_seq_length):
-            batch, lengths = distributed.shard(batch, lengths, world, args.batch_size)
+        for batch, lengths in validation_batches(dataset, args.batch_size, num_batches,
+                                                 args.seed, args.max_seq_length):
+            batch, lengths = distributed.shard(batch, lengths, world,
+                                               distributed.rank_batch(args.batch_size, world))
             if batch.shape[0] == 0:
                 continue
             s, n = eval_loss(model, batch, lengths)

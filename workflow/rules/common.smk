@@ -138,17 +138,7 @@ def wildcard_tag(wildcards):
     return wildcards.seq if "seq" in wildcards.keys() else single_tag()
 
 
-for _m in MODELS:
-    if _m not in config["models"]:
-        raise ValueError(
-            f"config: model {_m!r} is not an entry of `models` "
-            f"(known: {', '.join(sorted(config['models']))})"
-        )
-
-# Names that are results/ folders of their own cannot be model names.
-_RESERVED = {"data", "logs", "benchmarks"}
-if _RESERVED & set(config["models"]):
-    raise ValueError(f"config: model names {sorted(_RESERVED)} are reserved")
+# (`model` naming an entry of `models`, reserved names: segback.config_check.)
 
 
 wildcard_constraints:
@@ -198,8 +188,9 @@ def opt(flag, value):
 
 # ---- data-parallel training ---------------------------------------------------------------------
 # train.ranks > 1 runs `segback train` under a launcher (mlx.launch; docs/distributed.md): every
-# rank runs the same command on its slice of the global batch (ranks x batch_size). The job keeps
-# the cores Snakemake gives it (`threads`), shared out among the ranks; a ring or NCCL launch
+# rank runs the same command on its slice of the global batch (batch_size / ranks rows, as
+# mlx_lm.lora splits it). The job keeps the cores Snakemake gives it (`threads`), shared out
+# among the ranks; a ring or NCCL launch
 # gets a free port at run time, so two launches on one host do not collide. mlx.launch exits 0
 # even when a rank fails, so the log is checked for its "Node with rank R exited" warning.
 RANKS = TRAIN.get("ranks", 1)

@@ -17,7 +17,7 @@ rule plan_segments:
         ),
     params:
         seq=seq_len,
-        batch=TRAIN["batch_size"],
+        batch=TRAIN["batch_size"] // RANKS,  # what each rank runs: batch_size is the global one
         lora_rank=lora_rank,
         lora_layers=opt(
             "--lora-layers", None if TRAIN["num_layers"] == -1 else TRAIN["num_layers"]
@@ -99,6 +99,7 @@ rule train_lora:
                 " --save-every {params.save_every}"
                 " --seed {params.seed} --compile {params.compile}"
                 " --checkpoint-dir {params.work}/checkpoints --restart-on-change {params.clean}"
+                " --parent-pid $PPID"  # an orphaned trainer (Snakemake killed alone) stops
                 " --log {params.work}/train_log.jsonl > {log} 2>&1",
                 launch_check(),  # "" for one process
                 " && cp {params.work}/train_log.jsonl {output.log}",
