@@ -46,6 +46,9 @@ def main(args: argparse.Namespace) -> int:
         cfg = from_args(args)
         with interruptible(cfg.parent_pid):
             world = distributed.init()  # the ranks mlx.launch started (one without it)
+            if cfg.context_parallel > 1:  # data x context ranks
+                world = distributed.context_world(world, cfg.context_parallel,
+                                                  cfg.context_order, agreed(cfg))
             lock = exclusive(cfg.checkpoint_dir or cfg.adapter_path) if world.main else \
                 nullcontext()  # one writer per run: rank 0
             with distributed.quiet(world), lock:
@@ -91,9 +94,10 @@ def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
         attach(model, cfg)
         plan = resolve_plan(cfg, model, distributed.rank_batch(cfg.batch_size, world))
         describe(plan, model, cfg)
-        result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg,
-                            loop.segmented_grad_fn(plan), training_callback=callback,
-                            world=world)
+        grad_fn = distributed.context_grad_fn(plan, world) if cfg.context_parallel > 1 \
+            else loop.segmented_grad_fn(plan)
+        result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg, grad_fn,
+                            training_callback=callback, world=world)
     elif (Path(cfg.adapter_path) / "adapter_config.json").exists():
         from segback.adapters import mount
 
@@ -114,6 +118,13 @@ def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
 
 
 # ---- from options to objects -----------------------------------------------------------------
+
+
+def agreed(cfg: TrainConfig) -> dict:
+    """The options every rank must share (not where rank 0 writes)."""
+    from segback.trainer.checkpoints import RUN_ONLY
+
+    return {k: v for k, v in vars(cfg).items() if k not in RUN_ONLY}
 
 
 def reporting_callback(cfg: TrainConfig) -> Any:
@@ -287,7 +298,26 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = No
         raise ConfigError(f"--pack needs an untiled plan (this one has tiles of "
                           f"{plan.engine.tile} tokens): the tiled engine builds no "
                           "block-diagonal masks; leave out --tile, or train unpacked")
+    if cfg.context_parallel > 1:
+        check_context(cfg, plan)
     return plan
+
+
+def check_context(cfg: TrainConfig, plan: Plan) -> None:
+    """--context-parallel's limits, the same on every rank (so every rank stops)."""
+    from segback.data import PAD_TO
+
+    R = cfg.context_parallel
+    if plan.engine.tile or cfg.pack:
+        raise ConfigError(f"--context-parallel {R} runs the untiled engine on unpacked rows: "
+                          "leave out --tile/--offload (a plan without tiles) and --pack")
+    pieces = 2 * R if cfg.context_order == "zigzag" else R
+    shortest = min(PAD_TO, cfg.max_seq_length - 1)  # the fewest tokens a batch may have
+    if pieces > shortest:
+        raise ConfigError(f"--context-parallel {R} ({cfg.context_order}) splits a sequence into "
+                          f"{pieces} pieces, more than the {shortest} tokens of the shortest "
+                          "batch: use fewer context ranks" + (
+                              " or --context-order contiguous" if pieces > R else ""))
 
 
 def _planner_value(name: str, value: Any) -> Any:

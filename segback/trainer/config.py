@@ -222,6 +222,14 @@ class TrainConfig:
                         "gradients equal mlx-lm's on the examples unpacked); with --attention "
                         "chunked only each example's own block is computed; validation and "
                         "test stay unpacked; needs an untiled plan", group="segback")
+    context_parallel: int = option(1, int, "split each sequence over this many ranks of "
+                                   "mlx.launch (ring attention, exact); the world is data x "
+                                   "context ranks; untiled plans only", check=at_least(1),
+                                   group="segback")
+    context_order: str = option("zigzag", str, "how --context-parallel shards a sequence: "
+                                "zigzag (each rank an early and a late piece: causal work "
+                                "balanced) or contiguous", choices=("zigzag", "contiguous"),
+                                group="segback")
     progress: bool = option(True, bool, "tqdm progress bar", group="segback")
     engine: dict = option({}, MAPPING, "engine options (a config file may give them flat: "
                           "tile: 2048, offload: true, ...)", cli=False, group="segback")

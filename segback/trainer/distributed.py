@@ -295,3 +295,144 @@ def quiet(world: World) -> Iterator[None]:
 def who(world: World | None) -> str:
     """'' on rank 0, 'rank r: ' elsewhere (prefix of error messages)."""
     return "" if world is None or world.main else f"rank {world.rank}: "
+
+
+# ---- context parallelism ---------------------------------------------------------------------
+#
+# With --context-parallel R the world's W ranks are D = W / R data ranks of R context ranks each:
+# world rank w is context rank w % R of data rank w // R. A data rank's R context ranks read the
+# same rows and split each sequence (`segback.engine.context`); their loss and gradient shares
+# are summed in a fixed order, so all R hold the same data-rank gradient. Data-parallel code
+# then runs unchanged on a `ContextWorld`: the data ranks' view, whose collectives count only
+# context rank 0 of each data rank (the others hold copies of its values).
+
+AGREE_SECONDS = 120.0  # how long the first exchange waits for the other ranks
+
+
+@dataclass(frozen=True)
+class ContextWorld(World):
+    """The data ranks' view of a world of data x context ranks (`rank`, `size`: the data
+    rank and their number); `full` is the whole world, `ring` this rank's context ring."""
+
+    full: World = SINGLE
+    ring: Any = None
+    context: int = 1  # ranks per sequence (R)
+
+    @property
+    def main(self) -> bool:
+        return self.full.main
+
+    @property
+    def first(self) -> bool:
+        """Context rank 0: the one whose copies the data-level collectives count."""
+        return self.ring.rank == 0
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        if self.full.size == 1:
+            return x
+        # zeros that depend on x: every rank's graph orders its collectives the same way
+        return self.full.all_sum(x if self.first else mx.depends(mx.zeros_like(x), x))
+
+    def all_gather(self, x: mx.array) -> mx.array:
+        if self.full.size == 1:
+            return x
+        every = self.full.all_gather(x[None])
+        return every[::self.context].reshape(-1, *x.shape[1:])
+
+    def context_sum_tree(self, tree: Any) -> Any:
+        """Every float leaf summed over this data rank's context ranks, in context-rank order
+        (so every one of them holds the same sums)."""
+        flat = [(k, v) for k, v in tree_flatten(tree) if isinstance(v, mx.array)]
+        if not flat:
+            return tree
+        vec = mx.concatenate([v.astype(mx.float32).reshape(-1) for _, v in flat])
+        if self.size == 1:  # the ring is the world: the ring all-sum gives every rank one sum
+            total = self.full.all_sum(vec)
+        else:
+            rows = self.full.all_gather(vec[None])
+            first = self.rank * self.context
+            total = rows[first:first + self.context].sum(axis=0)
+        cuts = np.cumsum([v.size for _, v in flat])[:-1].tolist()
+        out = {k: part.reshape(v.shape).astype(v.dtype)
+               for (k, v), part in zip(flat, mx.split(total, cuts))}
+        return tree_map_with_path(lambda k, v: out.get(k, v), tree)
+
+
+def context_world(world: World, ranks: int, order: str, config: Any,
+                  seconds: float = AGREE_SECONDS) -> ContextWorld:
+    """The data x context view of `world` for --context-parallel `ranks`, after checking, on
+    every rank, that the ranks agree on `config` and can send to each other."""
+    from segback.engine.ring_attention import Ring
+
+    if ranks < 1 or world.size % ranks:
+        raise DistributedError(
+            f"--context-parallel {ranks} does not divide the {world.size} rank(s) mlx.launch "
+            f"started: launch a multiple of {ranks} ranks (data x context), or change "
+            "--context-parallel")
+    with deadline(seconds, world, "to agree on the options"):
+        check_same(world, config, "options (--context-parallel and the rest)")
+    data, c = divmod(world.rank, ranks)
+    base = data * ranks
+    ring = Ring(world.group, c, ranks, base + (c - 1) % ranks, base + (c + 1) % ranks, order)
+    if ranks > 1:
+        with deadline(seconds, world, "to answer a first message (send/recv)"):
+            probe(ring)
+    return ContextWorld(world.group, data, world.size // ranks, full=world, ring=ring,
+                        context=ranks)
+
+
+def probe(ring: Any) -> None:
+    """One small message around the ring, so a backend without send/recv fails here, on
+    every rank, with what to do."""
+    try:
+        got = ring.rotate(mx.array([ring.rank], mx.int32))
+        mx.eval(got)
+    except RuntimeError as e:
+        raise DistributedError(
+            f"this mx.distributed backend cannot send between the ranks of a context ring "
+            f"({e}); --context-parallel needs send/recv: launch with --backend ring or mpi "
+            "(the ring backend sends only to neighbouring ranks: with data x context ranks "
+            "use --context-parallel 2, or as many as there are ranks)") from None
+    if int(got.item()) != (ring.rank - 1) % ring.size:
+        raise DistributedError("the context ring's first message came from the wrong rank")
+
+
+@contextmanager
+def deadline(seconds: float, world: World, what: str) -> Iterator[None]:
+    """Leave the process (status 4) with a message if the block takes longer than `seconds`:
+    mx.distributed's collectives wait forever for a rank that never comes."""
+    import threading
+
+    def expire() -> None:
+        print(f"segback train: error: {who(world)}no answer from the other ranks in "
+              f"{seconds:.0f} s {what}; check that every rank runs the same command "
+              "(and --context-parallel)", file=sys.__stderr__, flush=True)
+        os._exit(4)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def context_grad_fn(plan: Any, world: ContextWorld, options: Any = None) -> Any:
+    """The grad_fn of one context rank: its shard's loss and gradient shares
+    (`segback.engine.context`), summed over its context ranks, so every one of them returns
+    its data rank's ((loss, tokens), grads), as `loop.segmented_grad_fn` would on the whole
+    rows."""
+    from segback.engine import context
+
+    def grad_fn(model, batch, lengths):
+        (loss, n), grads = context.value_and_grad(model, batch, lengths, world.ring, plan,
+                                                  options)
+        summed = world.context_sum_tree({"loss": loss.astype(mx.float32),
+                                         "n": mx.array(float(n)), "grads": grads})
+        mx.eval(summed)  # this collective done before the loop's next one is built
+        ntoks = summed["n"].astype(mx.int32)
+        return (summed["loss"], ntoks), summed["grads"]
+
+    grad_fn.plan = plan
+    return grad_fn

@@ -115,8 +115,9 @@ def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
             seconds = time.perf_counter() - tic
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": ntoks,
                       "input_tokens": input_tokens, "seconds": seconds, **memory_stats()}
-            if world.size > 1:  # the largest rank's peak, and each rank's
-                peaks = world.all_gather(mx.array([record["peak_gb"]], mx.float32)).tolist()
+            ranks = getattr(world, "full", world)  # every rank, also of context parallelism
+            if ranks.size > 1:  # the largest rank's peak, and each rank's
+                peaks = ranks.all_gather(mx.array([record["peak_gb"]], mx.float32)).tolist()
                 record |= {"peak_gb": max(peaks), "rank_peak_gb": peaks}
             run.log.write(record)
             tally(stats, record)
@@ -214,6 +215,7 @@ def summary(args: Any, model: nn.Module, stats: dict, plan: Any, wall: float,
         "world_size": world.size,
         "global_batch_size": args.batch_size,  # --batch-size is global, as in mlx_lm.lora
         "rank_batch_size": args.batch_size // world.size,
+        "context_parallel": getattr(world, "context", 1),
         "grad_accum": args.grad_accumulation_steps,
         "segments": [list(s) for s in segments] if isinstance(segments, list) else segments,
         "plan": args.plan if isinstance(args.plan, (str, int)) else "list",
