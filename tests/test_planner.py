@@ -441,3 +441,28 @@ def test_cost_model_stays_within_10_percent_of_the_peaks_measured_on_cuda():
     for p in found:
         predicted = check.predict(geom, p, CUDA_ACTIVATION)
         assert abs(predicted - p["peak_gb"]) <= 0.10 * p["peak_gb"], (p, predicted)
+
+
+@pytest.mark.parametrize("name,heads,kv_heads,head_dim,full,window,weights_gb", [
+    ("llama-3.1-8b", 32, 8, 128, list(range(32)), None, (3.5, 5.0)),
+    ("mistral-7b-v0.3", 32, 8, 128, list(range(32)), None, (3.3, 4.5)),
+    ("gemma-3-12b", 16, 8, 256, list(range(5, 48, 6)), 1024, (5.5, 7.5)),
+])
+def test_real_family_plans_read_their_geometry_without_weights(name, heads, kv_heads, head_dim,
+                                                               full, window, weights_gb):
+    """The real-size geometries (4-bit) plan from their config alone: layer kinds, windows and
+    heads as the model's config.json says, the weights' bytes at 4 bits."""
+    from segback.planner.geometry import resolve_model
+
+    plan = plan_segments(name, 32768, quant_bits=4, target_gb=24, tile="auto", offload="auto")
+    assert mx.get_active_memory() < 1 << 30  # nothing of the 7-12B weights was materialized
+    assert_covers(plan, len(plan.layer_types))
+    validate(plan)
+    assert [i for i, t in enumerate(plan.layer_types) if t == "full_attention"] == full
+    assert plan.meets_target and plan.inputs["quant_bits"] == 4
+    assert weights_gb[0] < plan.breakdown["weights"] < weights_gb[1]
+    geom = read_geometry(resolve_model(name, "bfloat16", 4)[0], 8, None, "bfloat16", name)
+    for i, g in enumerate(geom.layers):
+        assert (g.heads, g.head_dim, g.kv_width) == (heads, head_dim, kv_heads * head_dim)
+        assert g.window == (None if i in full else window)
+        assert g.kv_source == i and g.bits == 4

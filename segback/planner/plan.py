@@ -63,6 +63,10 @@ def plan_segments(
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
+    if isinstance(model_or_config, dict) and not isinstance(model_or_config, nn.Module):
+        from segback.models.family import check_family
+
+        check_family(model_or_config, "the config")  # before a model is built from it
     from segback.planner.measure import measure_count
 
     measure = measure_count(measure, target_gb)
