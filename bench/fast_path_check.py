@@ -6,7 +6,7 @@ prints one JSON row per (model, engine, attention): the loss, the kernels that r
 time and peak, and against the chunked run the loss difference and the largest relative
 gradient error over the LoRA leaves (||g - g_chunked|| / ||g_chunked||).
 
-    python bench/fast_path_check.py --models llama3.1-8b e4b --seq 8192 --out rows.jsonl
+    python bench/fast_path_check.py --models llama-3.1-8b e4b --seq 8192 --out rows.jsonl
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def check(name: str, seq: int, per_segment: int, tile: int, args) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["llama3.1-8b", "e4b"])
+    ap.add_argument("--models", nargs="+", default=["llama-3.1-8b", "e4b"])
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--layers-per-segment", type=int, default=4)
     ap.add_argument("--tile", type=int, default=2048)

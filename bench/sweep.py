@@ -222,7 +222,7 @@ CONFIGS += [
 ]
 
 # --- the fast path (fused attention kernels in every engine path): kernels, exactness, defaults
-LLAMA8B = ("--model", "llama3.1-8b", "--quant-bits", "4")
+LLAMA8B = ("--model", "llama-3.1-8b", "--quant-bits", "4")
 ATTN = ("bench/attention_bench.py", "--device", "gpu", "--dtype", "bfloat16", "--repeats", "2")
 E4B_HEADS = ("--heads", "8", "--kv-heads", "2")
 LLAMA_HEADS = ("--heads", "32", "--kv-heads", "8", "--head-dim", "128")
@@ -249,7 +249,7 @@ CONFIGS += [
     Config("fast-path-8k", "h200",
            "the engine's loss and LoRA gradients with fused attention against chunked, untiled "
            "and tiled (tile 2048), Llama-8B and e4b geometries at 8K, 4 layers a segment",
-           (("bench/fast_path_check.py", "--models", "llama3.1-8b", "e4b", "--seq", "8192"),)),
+           (("bench/fast_path_check.py", "--models", "llama-3.1-8b", "e4b", "--seq", "8192"),)),
     Config("fast-defaults", "h200",
            "the defaults (--segments auto --tile auto --offload auto, the planner timing its "
            "candidates) against mlx-lm ckpt on the same card: Llama-8B 8K at G = 16 and 32K at "
@@ -274,6 +274,50 @@ GROUPS = {
     "cpu": ["cpu-table", "cpu-chunked", "cpu-tiled", "cpu-e4b-slice"],
     "smoke": ["cpu-smoke", "cpu-smoke-tiled"],
 }
+
+# issue 43: real-size families
+# Llama-3.1-8B, Mistral-7B-v0.3 and Gemma-3-12B geometries (random weights, 4-bit, LoRA r8 on
+# all layers) on one H100 80 GB: segback's defaults (`segback train --plan auto --target-gb G`)
+# at 8K / 32K / 128K, and mlx-lm's checkpointed step as it ships beside them at 2K / 4K / 8K.
+# Each G sits between the cost model's floor and its fastest plan's predicted peak (CUDA
+# coefficients), so the plan must trade. Gemma-3's [8192, 262208] logits exceed 2^31 elements
+# (MLX-CUDA's launch limit): its mlx-lm 8K row runs 8190 tokens.
+FAMILIES = {  # geometry: (config prefix, G at 2K / 4K, at 8K, 32K, 128K)
+    "llama-3.1-8b": ("llama8b", 8, 10, 16, 32),
+    "mistral-7b-v0.3": ("mistral7b", 8, 10, 16, 32),
+    "gemma-3-12b": ("gemma3-12b", 10, 12, 20, 36),
+}
+
+
+def _family(model: str, seq: int, steps: int, *flags: str, timeout: int = 300
+            ) -> tuple[str, ...]:
+    return ("--model", model, "--quant-bits", "4", "--seq", str(seq), "--steps", str(steps),
+            *flags, "--timeout", str(timeout))
+
+
+CONFIGS += [c for model, (short, g_short, g8, g32, g128) in FAMILIES.items() for c in (
+    Config(f"{short}-defaults", "h100",
+           f"{model}: segback's defaults at 8K / 32K / 128K under G = {g8} / {g32} / {g128} GB "
+           "(the planner times its candidates; 128K: the warm-up step only)",
+           (_family(model, 8192, 2, *DEFAULTS, "--target-gb", str(g8)),
+            _family(model, 32768, 1, *DEFAULTS, "--target-gb", str(g32), timeout=900),
+            _family(model, 131072, 0, *DEFAULTS, "--target-gb", str(g128), timeout=3600))),
+    Config(f"{short}-vs-ckpt", "h100",
+           f"{model}: mlx-lm ckpt as it ships at 2K / 4K / 8K against segback's defaults at "
+           f"G = {g_short} GB (2K, 4K; segback's 8K row is {short}-defaults')",
+           (*(cmd for seq in (2048, 4096) for cmd in (
+               _family(model, seq, 2, "--modes", "ckpt"),
+               _family(model, seq, 2, *DEFAULTS, "--target-gb", str(g_short)))),
+            _family(model, 8190 if "gemma" in model else 8192, 2, "--modes", "ckpt"))),
+)]
+CONFIGS.append(Config(
+    "families-cpu-smoke", "cpu",
+    "seconds: each family's tiny- twin (real depth, pattern and RoPE at tiny widths, 4-bit), "
+    "mlx-lm ckpt and segback's defaults at 256 tokens",
+    tuple(_family(f"tiny-{model}", 256, 1, "--modes", "ckpt,segmented", *PLANNED,
+                  "--target-gb", "1") for model in FAMILIES)))
+BY_NAME.update({c.name: c for c in CONFIGS})
+GROUPS["h100-families"] = [c.name for c in CONFIGS if c.machine == "h100"]
 
 
 def command(args: tuple[str, ...], name: str, out: str, run: str | None) -> list[str]:

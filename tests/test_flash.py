@@ -120,7 +120,7 @@ def test_cost_model_charges_the_fast_kernels():
     from segback.planner.cost import Coefficients, CostModel
     from segback.planner.search import _best_by_count
 
-    llama, e4b = _geometry("llama3.1-8b"), _geometry("e4b")
+    llama, e4b = _geometry("llama-3.1-8b"), _geometry("e4b")
     cuda = dict(fast_kernels=True, coef=Coefficients(activation=1.6))
     assert {CostModel(llama, 8192, 1, **cuda).kernel(g) for g in llama.layers} == {"mlx"}
     assert {CostModel(e4b, 8192, 1, **cuda).kernel(g) for g in e4b.layers} == {"flash"}

@@ -340,3 +340,152 @@ def test_gguf_without_a_template_gets_the_familys(tmp_path):
                                   add_generation_prompt=True, return_dict=False)
     assert tok.decode(ids).startswith("<bos><start_of_turn>user\n")
     assert tok.decode(ids).endswith("<end_of_turn>\n<start_of_turn>model\n")
+
+
+# -- real-size families (issue 43) ---------------------------------------------------------------
+
+REAL_FAMILIES = {  # geometry -> (mlx-lm module, model_type)
+    "llama-3.1-8b": ("mlx_lm.models.llama", "llama"),
+    "mistral-7b-v0.3": ("mlx_lm.models.llama", "mistral"),  # mlx-lm runs mistral as llama
+    "gemma-3-12b": ("mlx_lm.models.gemma3_text", "gemma3_text"),
+}
+
+
+@pytest.mark.parametrize("name", REAL_FAMILIES)
+def test_real_geometries_keep_their_config_at_tiny_widths(name):
+    """The tiny twin is the real config at tiny widths: same class, depth, RoPE, pattern;
+    and the real config is the public config.json's (checked against the numbers here)."""
+    from segback.models.geometry import build_model, geometry_config
+
+    real, tiny = geometry_config(name), geometry_config(f"tiny-{name}")
+    widths = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "sliding_window", "query_pre_attn_scalar"}
+    assert {k: v for k, v in real.items() if k not in widths} == \
+        {k: v for k, v in tiny.items() if k not in widths}
+    module, model_type = REAL_FAMILIES[name]
+    model = build_model(tiny)
+    assert type(model).__module__ == module and model.model_type == model_type
+    assert len(model.layers) == real["num_hidden_layers"]
+    attn = model.layers[0].self_attn
+    assert attn.n_heads // attn.n_kv_heads == min(
+        real["num_attention_heads"] // real["num_key_value_heads"], 4)
+    expected = {
+        "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                             num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                             rope_theta=500000.0),
+        "mistral-7b-v0.3": dict(hidden_size=4096, num_hidden_layers=32, vocab_size=32768,
+                                num_attention_heads=32, num_key_value_heads=8,
+                                rope_theta=1_000_000.0),
+        "gemma-3-12b": dict(hidden_size=3840, num_hidden_layers=48, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=256, sliding_window=1024,
+                            sliding_window_pattern=6, query_pre_attn_scalar=256,
+                            vocab_size=262208, intermediate_size=15360),
+    }[name]
+    assert {k: real[k] for k in expected} == expected
+    if name == "llama-3.1-8b":  # mlx-lm's Llama3RoPE, not a plain RoPE
+        assert real["rope_scaling"]["rope_type"] == "llama3"
+        assert type(attn.rope).__name__ == "Llama3RoPE"
+    if name == "gemma-3-12b":  # global layers' RoPE scaled linearly by 8, the head tied
+        local, full = model.layers[0].self_attn.rope, model.layers[5].self_attn.rope
+        assert (local.base, local.scale) == (10_000.0, 1.0)
+        assert (full.base, full.scale) == (1_000_000.0, 1 / 8)
+        assert model.layers[0].self_attn.is_sliding and not model.layers[5].self_attn.is_sliding
+        assert "lm_head" not in model and model.tie_word_embeddings
+
+
+def _save_random(cfg: dict, out, bits: int = 4) -> None:
+    from mlx_lm.utils import save_config, save_model
+
+    from segback.models.geometry import build_model
+
+    model = build_model(cfg, dtype=mx.bfloat16, quantize_bits=bits)
+    save_model(out, model, donate_model=True)
+    save_config(dict(cfg, quantization={"group_size": 64, "bits": bits, "mode": "affine"}),
+                config_path=out / "config.json")
+
+
+@pytest.mark.parametrize("name,wrapped", [("llama-3.1-8b", False), ("mistral-7b-v0.3", False),
+                                          ("gemma-3-12b", False), ("gemma-3-12b", True)])
+def test_real_family_checkpoint_loads_by_path_and_segments_as_mlx_lm(name, wrapped, tmp_path):
+    """A 4-bit checkpoint of each family (Gemma-3-12B also as it ships: the multimodal `gemma3`
+    wrapper) loads by path through mlx-lm's loader, and segmented gradients equal mlx-lm's."""
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+    from mlx_lm.tuner.trainer import default_loss
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    from segback.engine import value_and_grad
+    from segback.models.geometry import geometry_config, wrap_multimodal
+
+    cfg = dict(geometry_config(f"tiny-{name}"), num_hidden_layers=6)  # one Gemma-3 pattern
+    cfg = wrap_multimodal(cfg) if wrapped else cfg
+    _save_random(cfg, tmp_path)
+    model, tokenizer = load(tmp_path)
+    reference, _ = load_model(tmp_path)
+    assert tokenizer is None and type(model) is type(reference)
+    assert model.model_type == cfg["model_type"]
+    dtypes = {p.dtype for _, p in tree_flatten(model.parameters())}
+    assert dtypes == {mx.float32, mx.uint32}  # 4-bit weights, float32 scales on the CPU
+    model.freeze()
+    linear_to_lora_layers(model, 6, {"rank": 4, "scale": 2.0, "dropout": 0.0})
+    mx.random.seed(1)  # LoRA B starts at zero: make every factor count
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05,
+                          model.trainable_parameters()))
+    batch = mx.random.randint(0, 256, (1, 40), key=mx.random.key(3))
+    lengths = mx.array([[4, 39]])
+    (l0, _), g0 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    (l1, _), g1 = value_and_grad(model, batch, lengths, [(0, 2), (2, 5), (5, 6)])
+    assert abs(float(l1) - float(l0)) <= 1e-5 * abs(float(l0))
+    f0, f1 = dict(tree_flatten(g0)), dict(tree_flatten(g1))
+    assert f0.keys() == f1.keys() and len(f0) == 6 * 7 * 2
+    for k in f0:
+        ref = float(mx.linalg.norm(f0[k]))
+        assert ref > 0 and float(mx.linalg.norm(f1[k] - f0[k])) <= 1e-4 * ref, k
+
+
+# -- families segback cannot segment ----------------------------------------------------------
+
+def _config_dir(tmp_path, config: dict):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # weights that would be read if the check came too late: not safetensors at all
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")
+    return tmp_path
+
+
+@pytest.mark.parametrize("config,says", [
+    ({"model_type": "frobnicator", "hidden_size": 64}, "mlx-lm does not know"),
+    ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
+     "mixture-of-experts"),
+    ({"model_type": "qwen3_moe", "num_experts": 128, "moe_intermediate_size": 768},
+     "mixture-of-experts"),
+    ({"model_type": "gemma4", "text_config": {"model_type": "gemma4_text",
+                                              "enable_moe_block": True, "num_experts": 128}},
+     "mixture-of-experts"),
+    ({"model_type": "jamba"}, "hybrid"),
+    ({"model_type": "phi3"}, "no layer-stack adapter"),
+])
+def test_unsupported_family_fails_before_weights_load(tmp_path, config, says):
+    from segback.models.family import UnsupportedModelError
+    from segback.planner import plan_segments
+
+    path = _config_dir(tmp_path, config)
+    for run in (lambda: load(path), lambda: plan_segments(str(path), 256),
+                lambda: plan_segments(dict(config), 256)):
+        with pytest.raises(UnsupportedModelError) as e:
+            run()
+        msg = str(e.value)
+        assert "\n" not in msg and says in msg and repr(config["model_type"]) in msg
+        assert "llama, mistral" in msg and "gemma3_text" in msg  # what is supported
+
+
+def test_supported_and_dense_configs_pass_the_family_check():
+    from segback.models.family import unsupported_reason
+    from segback.models.geometry import GEOMETRIES, wrap_multimodal
+
+    for name, cfg in GEOMETRIES.items():
+        assert unsupported_reason(cfg) is None, name
+    assert unsupported_reason(wrap_multimodal(GEOMETRIES["gemma-3-12b"])) is None
+    dense_gemma4 = {"model_type": "gemma4", "text_config": {
+        "model_type": "gemma4_text", "enable_moe_block": False, "num_experts": None}}
+    assert unsupported_reason(dense_gemma4) is None

@@ -347,7 +347,7 @@ def test_plan_engine_options_round_trip_and_old_plan_files(tmp_path):
 def test_measured_choice_is_the_fastest_measured_within_the_target():
     """--measure times candidates on the real model; the plan is the fastest measured that fits,
     and it says so (records in inputs.measured, in the cost model's order)."""
-    plan = plan_segments("tiny-llama", 64, target_gb=1.0, measure=3)
+    plan = plan_segments("tiny-llama", 64, target_gb=1.0, measure=3, measure_budget=100)
     recs = plan.inputs["measured"]
     assert len(recs) == 3 and [r["index"] for r in recs] == [0, 1, 2]
     assert all(0 < r["peak_gb"] <= 1.0 and r["seconds"] > 0 for r in recs)
@@ -441,3 +441,73 @@ def test_cost_model_stays_within_10_percent_of_the_peaks_measured_on_cuda():
     for p in found:
         predicted = check.predict(geom, p, CUDA_ACTIVATION)
         assert abs(predicted - p["peak_gb"]) <= 0.10 * p["peak_gb"], (p, predicted)
+
+
+@pytest.mark.parametrize("name,heads,kv_heads,head_dim,full,window,weights_gb", [
+    ("llama-3.1-8b", 32, 8, 128, list(range(32)), None, (3.5, 5.0)),
+    ("mistral-7b-v0.3", 32, 8, 128, list(range(32)), None, (3.3, 4.5)),
+    ("gemma-3-12b", 16, 8, 256, list(range(5, 48, 6)), 1024, (5.5, 7.5)),
+])
+def test_real_family_plans_read_their_geometry_without_weights(name, heads, kv_heads, head_dim,
+                                                               full, window, weights_gb):
+    """The real-size geometries (4-bit) plan from their config alone: layer kinds, windows and
+    heads as the model's config.json says, the weights' bytes at 4 bits."""
+    from segback.planner.geometry import resolve_model
+
+    plan = plan_segments(name, 32768, quant_bits=4, target_gb=24, tile="auto", offload="auto")
+    assert mx.get_active_memory() < 1 << 30  # nothing of the 7-12B weights was materialized
+    assert_covers(plan, len(plan.layer_types))
+    validate(plan)
+    assert [i for i, t in enumerate(plan.layer_types) if t == "full_attention"] == full
+    assert plan.meets_target and plan.inputs["quant_bits"] == 4
+    assert weights_gb[0] < plan.breakdown["weights"] < weights_gb[1]
+    geom = read_geometry(resolve_model(name, "bfloat16", 4)[0], 8, None, "bfloat16", name)
+    for i, g in enumerate(geom.layers):
+        assert (g.heads, g.head_dim, g.kv_width) == (heads, head_dim, kv_heads * head_dim)
+        assert g.window == (None if i in full else window)
+        assert g.kv_source == i and g.bits == 4
+
+
+def test_timing_candidates_stays_within_three_of_the_picks_predicted_steps(capsys):
+    """--measure N is bounded by the budget: the candidates' warm-up and timed steps together
+    take at most MEASURE_BUDGET predicted steps of the cost model's pick (one candidate at the
+    default, as the next would make four), or none, with a note, when one would not fit."""
+    from segback.planner.measure import MEASURE_BUDGET, MEASURE_STEPS
+
+    pick = plan_segments("tiny-llama", 64, target_gb=1.0, measure=0, dtype="float32")
+    budget = MEASURE_BUDGET * pick.predicted_relative_step_time
+    plan = plan_segments("tiny-llama", 64, target_gb=1.0, measure=10)
+    recs = plan.inputs["measured"]
+    assert len(recs) == 1 and recs[0]["segments"] == len(pick.segments)
+    assert sum(MEASURE_STEPS * r["relative_time"] for r in recs) <= budget
+    assert "past its budget" in capsys.readouterr().out
+    assert len(plan_segments("tiny-llama", 64, target_gb=1.0, measure=10,
+                             measure_budget=100).inputs["measured"]) == 4  # every cut
+    skipped = plan_segments("tiny-llama", 64, target_gb=1.0, measure=3, measure_budget=1.5)
+    assert "measured" not in skipped.inputs and skipped.segments == pick.segments
+    assert "not timing candidates" in skipped.message
+    assert "not timing candidates" in capsys.readouterr().out
+
+
+def test_a_plan_measured_over_its_target_is_not_chosen():
+    """The cost model's pick measures over the target: it is not chosen; the fastest plan whose
+    prediction, scaled by the measured overshoot, meets the target is (untimed: the budget is
+    spent), and it says so."""
+    from segback.planner.measure import measure_plan
+    from segback.planner.search import MARGIN
+
+    fastest = plan_segments("tiny-llama", 512, target_gb=10.0, measure=0, dtype="float32")
+    model = build_model("tiny-llama")
+    model.freeze()
+    measured = measure_plan(model, fastest, 512)["peak_gb"]
+    predicted = fastest.predicted_peak_gb
+    assert measured > 1.01 * predicted  # on the CPU the untiled step peaks a few % above
+    target = (predicted + measured) / 2 / (1 - MARGIN)  # predicted within it, measured not
+    plan = plan_segments("tiny-llama", 512, target_gb=target, measure=3)
+    (rec,) = plan.inputs["measured"]
+    assert rec["segments"] == len(fastest.segments) and not rec["fits"]
+    assert plan.segments != fastest.segments and plan.meets_target
+    ratio = rec["peak_gb"] / rec["predicted_gb"]
+    assert plan.predicted_peak_gb * ratio <= target * (1 - MARGIN)
+    assert "the measured overshoot" in plan.message and "not timed" in plan.message
+    assert measure_plan(model, plan, 512)["peak_gb"] <= target  # and it does fit

@@ -21,7 +21,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gemma4_text import logit_softcap
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
-SUPPORTED_TYPES = (*DENSE_TYPES, "gemma3_text", "gemma4_text", "gemma4")
+SUPPORTED_TYPES = (*DENSE_TYPES, "gemma3_text", "gemma3", "gemma4_text", "gemma4")
+WRAPPER_TYPES = ("gemma3", "gemma4")  # multimodal: the text model is `language_model`
 
 
 def has_dropout(module: nn.Module) -> bool:
@@ -169,8 +170,8 @@ class Stack:
 
 
 def _text_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """The causal LM inside a wrapper (gemma4 keeps it under `language_model`)."""
-    if getattr(model, "model_type", None) == "gemma4":
+    """The causal LM inside a wrapper (gemma3 and gemma4 keep it under `language_model`)."""
+    if getattr(model, "model_type", None) in WRAPPER_TYPES:
         return model.language_model, "language_model."
     return model, ""
 

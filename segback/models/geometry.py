@@ -91,15 +91,6 @@ GEOMETRIES: dict[str, dict] = {
                                                  "full_attention"],
         final_logit_softcapping=30.0, tie_word_embeddings=True,
     ),
-    # Llama-3.1-8B's geometry (meta-llama/Llama-3.1-8B config.json), for GPU benchmarks.
-    "llama3.1-8b": dict(
-        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-        vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192, rope_type="llama3"),
-        tie_word_embeddings=False,
-    ),
     # A small dense model with a real-sized vocabulary, for CPU benchmarks in minutes.
     "dense-256": dict(
         model_type="llama", hidden_size=256, num_hidden_layers=8, intermediate_size=768,
@@ -114,6 +105,56 @@ GEOMETRIES: dict[str, dict] = {
     ),
 }
 
+# The families people fine-tune, at their real sizes (the text configs of their config.json;
+# random weights, quantized as `--quant-bits 4` asks): benchmarks and plans of real geometries.
+# Each has a `tiny-` twin (`tiny_widths`): its depth, layer pattern and RoPE at tiny widths.
+REAL: dict[str, dict] = {
+    # meta-llama/Llama-3.1-8B: llama3 RoPE scaling to 128K.
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+        tie_word_embeddings=False,
+    ),
+    # mistralai/Mistral-7B-v0.3: full attention everywhere (sliding_window null).
+    "mistral-7b-v0.3": dict(
+        model_type="mistral", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        vocab_size=32768, rope_theta=1_000_000.0, max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    # google/gemma-3-12b-pt's text_config: 5 sliding (window 1024) + 1 full, global RoPE
+    # scaled linearly by 8; the head is the tied embedding.
+    "gemma-3-12b": dict(
+        model_type="gemma3_text", hidden_size=3840, num_hidden_layers=48,
+        intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        rms_norm_eps=1e-6, vocab_size=262208, query_pre_attn_scalar=256, sliding_window=1024,
+        sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        rope_scaling=dict(rope_type="linear", factor=8.0), max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def tiny_widths(config: dict) -> dict:
+    """A real geometry at tiny widths (hidden 64, 16-wide heads, vocab 256, window 16): the same
+    mlx-lm class, depth, query/KV head ratio, layer pattern and RoPE, built in milliseconds."""
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    q = min(heads // kv, 4)  # query heads per KV head, as the real model (at most 4)
+    tiny = dict(config, hidden_size=64, intermediate_size=128, num_attention_heads=q,
+                num_key_value_heads=1, head_dim=16, vocab_size=256)
+    if "sliding_window" in config:
+        tiny["sliding_window"] = 16
+    if "query_pre_attn_scalar" in config:  # its ratio to head_dim, as the real model's
+        tiny["query_pre_attn_scalar"] = 16 * config["query_pre_attn_scalar"] / config["head_dim"]
+    return tiny
+
+
+GEOMETRIES.update(REAL)
+GEOMETRIES.update({f"tiny-{name}": tiny_widths(cfg) for name, cfg in REAL.items()})
+
 
 def geometry_config(name: str, **overrides) -> dict:
     """Return a copy of a named geometry's config, with overrides applied."""
@@ -124,10 +165,17 @@ def geometry_config(name: str, **overrides) -> dict:
     return cfg
 
 
+# Text model types whose checkpoints ship inside a multimodal wrapper (text under
+# `language_model`): Gemma-4 e4b as `gemma4`, Gemma-3 4B-27B as `gemma3`.
+WRAPPERS = {"gemma4_text": "gemma4", "gemma3_text": "gemma3"}
+
+
 def wrap_multimodal(cfg: dict) -> dict:
-    """Wrap a gemma4_text config in the multimodal `gemma4` model type (as e4b ships)."""
+    """Wrap a gemma4_text / gemma3_text config in its multimodal model type, as the real
+    checkpoints ship (e4b as `gemma4`, Gemma-3-12B as `gemma3`)."""
     text = dict(cfg)
-    return {"model_type": "gemma4", "vocab_size": text["vocab_size"], "text_config": text}
+    return {"model_type": WRAPPERS[text["model_type"]], "vocab_size": text["vocab_size"],
+            "text_config": text}
 
 
 def build_model(
@@ -147,6 +195,10 @@ def build_model(
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(cfg))
+    text = getattr(model, "language_model", model)
+    if cfg.get("text_config", cfg).get("tie_word_embeddings") and "lm_head" in text \
+            and getattr(text, "tie_word_embeddings", None) is False:
+        text.sanitize({})  # gemma3_text ties as mlx-lm loads a checkpoint without a head
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating)
                           else p, model.parameters()))
     if quantize_bits:

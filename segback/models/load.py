@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 from segback.models.dequant_linear import use_dequantized_matmul
+from segback.models.family import check_checkpoint
 from segback.models.fast_gelu import use_fast_gelu
 from segback.models.geometry import GEOMETRIES, build_model
 
@@ -88,7 +89,8 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
     """Return (model, tokenizer): mlx-lm's loader for a directory, a random model for a geometry.
 
     A geometry (`tiny-e4b` or `geometry:tiny-e4b`) has no tokenizer, so None is returned for it.
-    A directory must hold config.json; the prefix forces the geometry reading of a name.
+    A directory must hold config.json, of a family segback segments (else UnsupportedModelError,
+    before any weights load); the prefix forces the geometry reading of a name.
     `fast_gelu` (default: on the CPU) swaps Gemma-2/3 MLPs' GELU for segback.models.fast_gelu.
     `dequant_matmul` runs quantized linears' long inputs (training, prefill) as
     dequantize-then-matmul (segback.models.dequant_linear); decoding keeps the quantized kernel.
@@ -99,6 +101,7 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
         fast_gelu = mx.default_device() == mx.cpu
     path = Path(spec)
     if not spec.startswith(GEOMETRY_PREFIX) and (path / "config.json").is_file():
+        check_checkpoint(path)  # a family segback cannot segment fails before its weights load
         model, tokenizer = _load_dir(path, adapter_path)
         if dtype is not None:
             cast_floating(model, dtype)

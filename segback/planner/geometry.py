@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from segback.engine.host_table import table_bytes
+from segback.engine.stack import WRAPPER_TYPES
 
 GB = 1024**3  # as segback.engine.memory
 
@@ -74,8 +75,9 @@ class Geometry:
 
 
 def text_parts(model: nn.Module) -> tuple[nn.Module, Any]:
-    """The causal LM (gemma4 keeps it under `language_model`) and its args."""
-    outer = model.language_model if getattr(model, "model_type", None) == "gemma4" else model
+    """The causal LM (gemma3 and gemma4 keep it under `language_model`) and its args."""
+    outer = model.language_model if getattr(model, "model_type", None) in WRAPPER_TYPES \
+        else model
     return outer, outer.args
 
 
@@ -252,13 +254,17 @@ def resolve_model(
     """A model (lazy when read from a config, geometry name or checkpoint dir) and its id."""
     if isinstance(model_or_config, nn.Module):
         return model_or_config, type(model_or_config).__module__.rsplit(".", 1)[-1]
+    from segback.models.family import check_checkpoint, check_family
+
     dt = DTYPES[dtype or "bfloat16"]
     if isinstance(model_or_config, dict):
+        check_family(model_or_config, "the config")
         return lazy_model(model_or_config, dt, quant_bits), model_or_config["model_type"]
     path = Path(model_or_config)
     if path.is_dir():
         from mlx_lm.utils import load_model
 
+        check_checkpoint(path)
         model, _ = load_model(path, lazy=True, strict=False)
         model.freeze()  # a base checkpoint: LoRA is what will train
         return model, str(model_or_config)

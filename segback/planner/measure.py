@@ -7,6 +7,10 @@ plan it says fits may not. `measure=N` in `plan_segments` runs one warm-up and o
 the real engine for candidates in the cost model's order (fastest predicted first; each
 configuration's cuts bisected for the fastest that fits), on random tokens, with LoRA attached as
 training will; the measurements go into the plan.
+
+Timing is bounded: all candidates together take at most `MEASURE_BUDGET` steps of the cost
+model's pick (predicted relative step times before the first is timed, wall-clock seconds
+after), so the defaults finish in a few steps' time whatever the model and length.
 """
 
 from __future__ import annotations
@@ -22,15 +26,21 @@ from mlx.utils import tree_unflatten
 from segback.engine.plan import Plan
 from segback.planner.calibrate import _attach_lora
 from segback.planner.geometry import GB
+from segback.planner.search import MARGIN, within  # noqa: F401 (MARGIN: also measure's)
 
 
 # Candidates `measure="auto"` times: on a GPU with a memory target, where the cost model's
 # absolute peaks are least reliable; none on a CPU, where they hold (tests/test_planner.py).
 AUTO_MEASURE = 3
 
-# A measured peak must sit this far under the target: a training step's peak differs from the
-# timed one by the optimizer update and the batch's contents (+1% seen on CUDA).
-MARGIN = 0.02
+# Steps one measurement runs: a warm-up (kernels built, buffers allocated) and the timed one.
+MEASURE_STEPS = 2
+# Steps of the cost model's pick that timing all candidates may take together.
+MEASURE_BUDGET = 3.0
+
+
+class _Spent(Exception):
+    """The next candidate would take the timing past its budget."""
 
 
 def measure_count(measure: int | str, target_gb: float | None) -> int:
@@ -64,7 +74,7 @@ def measure_plan(model: nn.Module, plan: Plan, seq_len: int, batch_size: int = 1
         lengths = mx.array([[0, seq_len]] * batch_size)
         mx.eval(batch, model.parameters())
         seconds = []
-        for _ in range(2):
+        for _ in range(MEASURE_STEPS):
             gc.collect()
             mx.clear_cache()
             mx.reset_peak_memory()
@@ -81,9 +91,10 @@ def measure_plan(model: nn.Module, plan: Plan, seq_len: int, batch_size: int = 1
 
 def measured_pick(model: nn.Module, candidates: Sequence[tuple[Hashable, Callable[[], Plan]]],
                   target_gb: float | None, seq_len: int, batch_size: int, lora_rank: int,
-                  limit: int) -> tuple[Plan, list[dict]]:
+                  limit: int, times: Sequence[float] | None = None,
+                  budget: float | None = None) -> tuple[Plan, list[dict]]:
     """(the chosen plan, one record per measured plan: its "index" in `candidates`, the plan,
-    peaks, seconds and whether it "fits" the target).
+    peaks, seconds and whether it "fits" the target, i.e. `within` it).
 
     `candidates` are (configuration, build) pairs in the cost model's order, fastest predicted
     first; the plans of one configuration (tile, offload, attention) differ only in their cuts,
@@ -92,26 +103,43 @@ def measured_pick(model: nn.Module, candidates: Sequence[tuple[Hashable, Callabl
     smallest; if that one fits, a bisection between the two finds the fastest that does (a
     handful of steps where walking the list would time dozens of near-equal plans). The search
     stops once `limit` plans are timed and one fits; fewer timed, the next untimed candidates
-    in order make up the `limit`. The fastest measured within the target wins, else the one
-    with the smallest measured peak.
+    in order make up the `limit`. With `times` (each candidate's predicted relative step time)
+    and a `budget` in the same unit, a candidate is timed only while the timing so far (wall
+    seconds, in that unit at the rate of the last timed step) and its MEASURE_STEPS predicted
+    steps stay within the budget; the first must fit it by prediction. The fastest measured
+    within the target wins, else the one with the smallest measured peak.
     """
     from segback.planner.plan import engine_label
 
     records: list[dict] = []
     measured: dict[int, dict] = {}
+    clock = {"spent": 0.0, "rate": None}  # wall seconds timing; seconds per unit of `times`
+
+    def affordable(i: int) -> bool:
+        if budget is None or times is None:
+            return True
+        used = clock["spent"] / clock["rate"] if clock["rate"] else 0.0
+        return used + MEASURE_STEPS * times[i] <= budget
 
     def fits(i: int) -> bool:
         if i not in measured:
+            if not affordable(i):
+                raise _Spent
             plan = candidates[i][1]()
+            tic = time.perf_counter()
             r = measure_plan(model, plan, seq_len, batch_size, lora_rank)
+            clock["spent"] += time.perf_counter() - tic
+            if times is not None and times[i] > 0:
+                clock["rate"] = r["seconds"] / times[i]
             measured[i] = rec = {
                 "index": i, "plan": plan, "segments": len(plan.segments),
                 "tile": plan.engine.tile, "offload": plan.engine.offload,
                 "mlp_chunk": plan.engine.mlp_chunk,
                 "boundaries_on_device": plan.engine.boundaries_on_device,
                 "predicted_gb": round(plan.predicted_peak_gb, 3),
+                "relative_time": round(plan.predicted_relative_step_time, 4),
                 "peak_gb": round(r["peak_gb"], 3), "seconds": round(r["seconds"], 4),
-                "fits": target_gb is None or r["peak_gb"] <= target_gb * (1 - MARGIN)}
+                "fits": within(r["peak_gb"] * GB, target_gb)}
             records.append(rec)
             label = engine_label(plan.engine.tile, plan.engine.offload, plan.engine.mlp_chunk)
             print(f"segback plan: measured {label},"
@@ -122,22 +150,26 @@ def measured_pick(model: nn.Module, candidates: Sequence[tuple[Hashable, Callabl
     groups: dict[Hashable, list[int]] = {}
     for i, (key, _) in enumerate(candidates):
         groups.setdefault(key, []).append(i)
-    for idx in groups.values():
-        if len(records) >= limit and any(r["fits"] for r in records):
-            break
-        if fits(idx[0]) or len(idx) == 1 or not fits(idx[-1]):
-            continue
-        lo, hi = 0, len(idx) - 1  # idx[lo] is over the target, idx[hi] within it
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(idx[mid]) else (mid, hi)
-    for i in range(len(candidates)):  # fewer than `limit` timed: the next ones in order
-        if len(records) >= limit:
-            break
-        fits(i)
+    try:
+        for idx in groups.values():
+            if len(records) >= limit and any(r["fits"] for r in records):
+                break
+            if fits(idx[0]) or len(idx) == 1 or not fits(idx[-1]):
+                continue
+            lo, hi = 0, len(idx) - 1  # idx[lo] is over the target, idx[hi] within it
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(idx[mid]) else (mid, hi)
+        for i in range(len(candidates)):  # fewer than `limit` timed: the next ones in order
+            if len(records) >= limit:
+                break
+            fits(i)
+    except _Spent:
+        print(f"segback plan: timed {len(records)} candidate plans in {clock['spent']:.1f} s;"
+              " the next would take timing past its budget: stopping there", flush=True)
     if not records:
-        raise ValueError("no candidate plans to measure")
-    within = [r for r in records if r["fits"]]
-    best = min(within, key=lambda r: r["seconds"]) if within else \
+        raise ValueError("no candidate plans to measure (the first is over the budget)")
+    fitting = [r for r in records if r["fits"]]
+    best = min(fitting, key=lambda r: r["seconds"]) if fitting else \
         min(records, key=lambda r: r["peak_gb"])
     return best["plan"], records

@@ -15,7 +15,9 @@ from segback.engine.plan import Plan, segments_of
 from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
-from segback.planner.search import choose, most_kept, pick, search_space, tile_configs
+from segback.planner.measure import MEASURE_BUDGET
+from segback.planner.search import (choose, most_kept, pick, search_space, tile_configs,
+                                    within)
 
 
 def plan_segments(
@@ -39,6 +41,7 @@ def plan_segments(
     boundaries_on_device: int | str = "auto",
     options: EngineOptions | None = None,
     measure: int | str = 0,
+    measure_budget: float = MEASURE_BUDGET,
 ) -> Plan:
     """Plan the segments of a segmented backward and the engine options that run them.
 
@@ -57,12 +60,21 @@ def plan_segments(
     run-time engine options (compile, shared traces, tiles in flight, prefetch, head chunk) into
     the plan; the planner fills in what it chose. `measure` > 0 times that many candidate plans
     (those predicted to meet the target, fastest predicted first; more while none measured
-    within it) on the real model, one step each, and returns the fastest measured within the
-    target (`segback.planner.measure`); the records are in the plan's `inputs.measured`.
-    `measure="auto"` times a few on a GPU when there is a target, none otherwise.
+    within it) on the real model, a warm-up and a timed step each, and returns the fastest
+    measured within the target (`segback.planner.measure`); the records are in the plan's
+    `inputs.measured`.
+    `measure="auto"` times a few on a GPU when there is a target, none otherwise. Timing stops
+    at `measure_budget` of the cost model's pick's predicted steps (skipped, with a note, when
+    one candidate's warm-up and timed step would not fit); a measured plan over the target is
+    not chosen: if none fits, the fastest untimed one whose prediction, scaled by the measured
+    overshoot, does. Targets are met with `search.MARGIN` to spare, predicted or measured.
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
+    if isinstance(model_or_config, dict) and not isinstance(model_or_config, nn.Module):
+        from segback.models.family import check_family
+
+        check_family(model_or_config, "the config")  # before a model is built from it
     from segback.planner.measure import measure_count
 
     measure = measure_count(measure, target_gb)
@@ -117,7 +129,7 @@ def plan_segments(
             continue
         segs = segments_of(given, geom.num_layers)
         peak = cost.evaluate(segs)["peak"]
-        options.append((cost, segs, target_gb is None or peak <= target_gb * GB,
+        options.append((cost, segs, within(peak, target_gb),
                         time_budget is None or cost.relative_step_time(segs) <= time_budget,
                         f"given plan of {len(segs)} segments: {peak / GB:.2f} GB"))
     def finish(cost, segments, meets_target, meets_time, message):
@@ -133,37 +145,65 @@ def plan_segments(
                   quant_bits=quant_bits if quant_bits is not None else
                   (geom.quant_bits[0] if len(geom.quant_bits) == 1 else geom.quant_bits or None),
                   calibration=asdict(coef) if coef.calibrated else None)
+    best = pick(options, target_gb)
     if not measure or given is not None:
-        return finish(*pick(options, target_gb))
-    from segback.planner.measure import measured_pick
+        return finish(*best)
+    from segback.planner.measure import MEASURE_STEPS, measured_pick
     from segback.planner.search import _best_by_count
 
     candidates = []
     for cost, *_ in options:
         for segs in _best_by_count(cost).values():
             peak = cost.evaluate(segs)["peak"]
-            if target_gb is None or peak <= target_gb * GB:
+            if within(peak, target_gb):
                 candidates.append((cost.relative_step_time(segs), peak, cost, segs))
     if not candidates:  # nothing is predicted to fit: measure the planner's own choice
-        return finish(*pick(options, target_gb))
+        return finish(*best)
     candidates.sort(key=lambda c: (c[0], c[1]))
+    budget = measure_budget * best[0].relative_step_time(best[1])
+    if MEASURE_STEPS * candidates[0][0] > budget:
+        note = (f"not timing candidates: one takes {MEASURE_STEPS} steps, more than the "
+                f"budget of {measure_budget:g} of the pick's predicted steps")
+        print(f"segback plan: {note}", flush=True)
+        cost, segs, ok, in_time, message = best
+        return finish(cost, segs, ok, in_time, f"{message} ({note})")
 
-    def build(cost, segs):  # plans are built only as they are measured
+    def build(cost, segs, target=target_gb):  # plans are built only as they are measured
         label = engine_label(cost.tile, cost.offload, cost.mlp_chunk)
         return lambda: _plan(cost, segs, True, True, f"{label}, {len(segs)} segments", 1, geom,
-                             target_gb, boundaries_on_device, runtime, inputs)
+                             target, boundaries_on_device, runtime, inputs)
 
     plan, records = measured_pick(model, [(id(cost), build(cost, segs))
                                           for _, _, cost, segs in candidates],
-                                  target_gb, seq_len, batch_size, lora_rank, measure)
+                                  target_gb, seq_len, batch_size, lora_rank, measure,
+                                  times=[c[0] for c in candidates], budget=budget)
     rec = next(r for r in records if r["plan"] is plan)
     message = (f"measured {len(records)} of {len(candidates)} candidate plans: {plan.message}, "
-               f"{rec['peak_gb']:.2f} GB measured, {rec['seconds']:.3f} s a step"
-               + ("" if rec["fits"] else f" (none measured within {target_gb:g} GB: the "
-                  "smallest peak)"))
-    return replace(plan, meets_target=rec["fits"], message=message,
-                   inputs=plan.inputs | {"measured": [
-                       {k: v for k, v in r.items() if k != "plan"} for r in records]})
+               f"{rec['peak_gb']:.2f} GB measured, {rec['seconds']:.3f} s a step")
+    measured = {"measured": [{k: v for k, v in r.items() if k != "plan"} for r in records]}
+    if not rec["fits"]:  # none measured within the target: none of them is chosen
+        plan, message = corrected_pick(candidates, records, target_gb, build, message)
+    return replace(plan, meets_target=rec["fits"] or plan is not rec["plan"], message=message,
+                   inputs=plan.inputs | measured)
+
+
+def corrected_pick(candidates: list[tuple], records: list[dict], target_gb: float,
+                   build: Any, message: str) -> tuple[Plan, str]:
+    """Every measured plan missed the target: the fastest candidate not measured whose
+    predicted peak, scaled by the worst measured/predicted ratio, meets it; else the smallest
+    measured peak, said to miss. (Measuring the unmeasured is past the budget.)"""
+    ratio = max(r["peak_gb"] / r["predicted_gb"] for r in records)
+    timed = {r["index"] for r in records}
+    for i, (_, peak, cost, segs) in enumerate(candidates):
+        if i not in timed and within(peak * ratio, target_gb):
+            plan = build(cost, segs, target_gb / ratio)()
+            return plan, (f"{message}; none within {target_gb:g} GB: {plan.message}, predicted "
+                          f"{plan.predicted_peak_gb:.2f} GB x {ratio:.3f} (the measured "
+                          f"overshoot) = {plan.predicted_peak_gb * ratio:.2f} GB, not timed")
+    low = min(records, key=lambda r: r["peak_gb"])
+    return low["plan"], (f"{message}; none within {target_gb:g} GB, measured or predicted "
+                         f"x {ratio:.3f} (the measured overshoot): the smallest measured peak, "
+                         f"{low['peak_gb']:.2f} GB")
 
 
 def engine_label(tile: int | None, offload: bool, mlp_chunk: int | None = None) -> str:
@@ -182,7 +222,7 @@ def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, ta
             cost.boundaries_on_device = most_kept(cost, segments, target_gb)
     elif cost.offload:
         cost.boundaries_on_device = boundaries_on_device
-        meets_target = target_gb is None or cost.evaluate(segments)["peak"] <= target_gb * GB
+        meets_target = within(cost.evaluate(segments)["peak"], target_gb)
     if cost.offload and cost.boundaries_on_device:
         message += f"; the last {cost.kept(len(segments))} boundaries stay on the device"
     if n_options > 1:
