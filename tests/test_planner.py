@@ -510,4 +510,6 @@ def test_a_plan_measured_over_its_target_is_not_chosen():
     ratio = rec["peak_gb"] / rec["predicted_gb"]
     assert plan.predicted_peak_gb * ratio <= target * (1 - MARGIN)
     assert "the measured overshoot" in plan.message and "not timed" in plan.message
-    assert measure_plan(model, plan, 512)["peak_gb"] <= target  # and it does fit
+    # and it peaks lower than the pick, measured back to back (memory other tests of this
+    # process left alive shifts both peaks alike)
+    assert measure_plan(model, plan, 512)["peak_gb"] < measure_plan(model, fastest, 512)["peak_gb"]

@@ -342,7 +342,8 @@ def test_plan_engine_options_reach_the_engine(tmp_path):
     assert kept.segments == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert kept.engine.boundaries_on_device == 4
     measured = plan(plan="auto", max_seq_length=64, target_gb=1.0, measure_plan=2)
-    assert len(measured.inputs["measured"]) == 2 and measured.meets_target
+    # two asked, one timed: all of them take at most 3 of the pick's steps (a warm-up + a step)
+    assert len(measured.inputs["measured"]) == 1 and measured.meets_target
     with pytest.raises(ValueError, match="--measure-plan 2 needs --plan auto"):
         plan(plan="2", measure_plan=2)
 
