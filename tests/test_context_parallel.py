@@ -103,7 +103,7 @@ OPTIONS = ["--model", "tiny-llama", "--max-seq-length", "128", "--plan", "2", "-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
     """One process of batch 2; 2 ranks as one context ring (batch 2); 4 ranks as 2 data x 2
-    context ranks (batch 1 each)."""
+    context ranks (global batch 2, as in mlx_lm.lora: 1 row per data rank)."""
     if not mx.distributed.is_available("ring"):
         pytest.skip("this MLX build has no ring backend")
     tmp = tmp_path_factory.mktemp("cp")
@@ -113,7 +113,7 @@ def trained(tmp_path_factory) -> dict:
     train = ["-m", "segback.cli", "train", *common]
     run_ranks(2, [*train, "--batch-size", "2", "--context-parallel", "2",
                   "--adapter-path", str(tmp / "ring2")])
-    run_ranks(4, [*train, "--batch-size", "1", "--context-parallel", "2",
+    run_ranks(4, [*train, "--batch-size", "2", "--context-parallel", "2",
                   "--context-order", "contiguous", "--adapter-path", str(tmp / "grid")])
     assert cli.main(parse([*common, "--batch-size", "2", "--adapter-path", str(tmp / "one")])
                     ) == 0
