@@ -51,8 +51,8 @@ def check(name: str, seq: int, per_segment: int, tile: int, args) -> list[dict]:
     batch, lengths = bench_batch(1, seq, model.args.vocab_size, 0.0, None, True)
     geom = read_geometry(model, 8, None, str(dtype).split(".")[-1], name)
     rows = []
+    ref = None  # the untiled chunked run: every other row is compared with it
     for engine, t in (("untiled", None), ("tiled", tile)):
-        ref = None
         for attention in ("chunked", "fused"):
             opts = EngineOptions(attention=attention, tile=t)
             grads, loss, seconds, peak = run(model, batch, lengths, per_segment, opts)

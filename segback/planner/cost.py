@@ -66,10 +66,11 @@ BWD_ATTN = {"composed": BWD_ATTN_FUSED, "mlx": 2.5, "flash": 3.5, "chunked": BWD
 FAST_KERNELS = ("mlx", "flash")
 FLASH_HEAD_DIMS = (64, 128, 256, 512)  # segback.engine.flash.HEAD_DIMS
 # Time of one attention FLOP relative to one FLOP of the layers' (quantized) linears, per kernel,
-# on CUDA (elsewhere every FLOP counts alike). From attention_bench and step rows on one H100
-# (bench/RESULTS.md): 4-bit linears run at about 0.19 of the bf16 matmul rate, MLX's fused
-# attention about 0.46, the chunked kernel about 0.03, the composed path about 0.15.
-ATTENTION_TIME_CUDA = {"mlx": 0.4, "flash": 0.8, "composed": 1.3, "chunked": 6.0}
+# on CUDA (elsewhere every FLOP counts alike): 4-bit linears run at about 0.19 of the bf16
+# matmul rate; attention_bench on one H100 (run h100-run22, bench/RESULTS.md) measured MLX's
+# fused kernel at 0.45, the flash kernel at 0.19 (head dim 256, causal; 0.09 at 512), the
+# chunked kernel at 0.03-0.07 and MLX's composed path at 0.04 of it.
+ATTENTION_TIME_CUDA = {"mlx": 0.42, "flash": 1.0, "composed": 5.0, "chunked": 4.0}
 
 
 @dataclass
