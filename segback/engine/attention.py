@@ -394,15 +394,26 @@ def chunked_sdpa(
 MLX_FUSED_TILE = 128
 
 
+def fast_kernel_for(head_dim: int, half: bool, masked: bool) -> str | None:
+    """The O(L) fused kernel a layer runs on CUDA: "mlx" where MLX's own attention runs fused
+    in both directions (cuDNN: causal, head dims up to 128 in multiples of 8, 16-bit), "flash"
+    (segback's) for the rest it handles, None where neither does. `masked`: a window or packed
+    examples. The engine (`fused_kernel`) and the planner (`CostModel.kernel`) both ask this."""
+    if not half:
+        return None
+    if not masked and head_dim <= 128 and head_dim % 8 == 0:
+        return "mlx"
+    return "flash" if head_dim in flash.HEAD_DIMS else None
+
+
 def mlx_fused_covers(queries: mx.array, keys: mx.array, window: int | None,
                      blocks: Blocks | None) -> bool:
-    """Whether MLX's own fused attention runs this training call fused in both directions (on
-    CUDA: cuDNN for causal masks, head dims up to 128 in multiples of 8, 16-bit inputs); what
-    it does not cover it runs composed, scoring every key into [L, L] arrays."""
+    """Whether MLX's own fused attention runs this training call fused in both directions;
+    what it does not cover it runs composed, scoring every key into [L, L] arrays."""
     D = queries.shape[-1]
-    return (flash.available() and window is None and blocks is None and D <= 128 and D % 8 == 0
-            and keys.shape[-1] == D and queries.dtype in (mx.bfloat16, mx.float16)
-            and queries.shape[2] == keys.shape[2])
+    half = queries.dtype in (mx.bfloat16, mx.float16)
+    return (flash.available() and keys.shape[-1] == D and queries.shape[2] == keys.shape[2]
+            and fast_kernel_for(D, half, window is not None or blocks is not None) == "mlx")
 
 
 def fused_kernel(queries: mx.array, keys: mx.array, window: int | None = None,
@@ -539,13 +550,19 @@ def use_attention(
     mlx-lm model files import `scaled_dot_product_attention` from `.base` by name, so the name is
     swapped in each module (e.g. `mlx_lm.models.llama`, or the string "mlx_lm.models.llama").
     """
-    mods = [importlib.import_module(m) if isinstance(m, str) else m for m in modules]
-
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         return sdpa_for_mlx_lm(
             queries, keys, values, cache, scale, mask, sinks, kind=kind, chunk_size=chunk_size
         )
 
+    with swap_attention(modules, sdpa):
+        yield
+
+
+@contextlib.contextmanager
+def swap_attention(modules: Sequence[ModuleType | str], sdpa: Any) -> Iterator[None]:
+    """Put `sdpa` in place of each module's `scaled_dot_product_attention`, then restore."""
+    mods = [importlib.import_module(m) if isinstance(m, str) else m for m in modules]
     saved = [(m, m.scaled_dot_product_attention) for m in mods]
     try:
         for m in mods:

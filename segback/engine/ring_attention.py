@@ -29,7 +29,6 @@ Arithmetic is float32 (softmax, LSE, accumulators), as the chunked attention's.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -39,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from segback.engine.attention import default_chunk_size, sdpa_for_mlx_lm
+from segback.engine.attention import default_chunk_size, sdpa_for_mlx_lm, swap_attention
 
 ORDERS = ("zigzag", "contiguous")
 _PAD = 1 << 40  # the position of a padding key: after every query, so never visible
@@ -310,8 +309,7 @@ class RingMask:
 def use_ring_attention(modules: Sequence[ModuleType | str], chunk_size: int | None = None
                        ) -> Iterator[None]:
     """Route the mlx-lm modules' attention calls with a `RingMask` to `ring_sdpa` (the rest to
-    `sdpa_for_mlx_lm`), as `attention.use_chunked_attention` does; then restore."""
-    mods = [importlib.import_module(m) if isinstance(m, str) else m for m in modules]
+    `sdpa_for_mlx_lm`), as `attention.use_attention` does; then restore."""
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(mask, RingMask) and cache is None and sinks is None:
@@ -322,14 +320,8 @@ def use_ring_attention(modules: Sequence[ModuleType | str], chunk_size: int | No
         return sdpa_for_mlx_lm(queries, keys, values, cache, scale, mask, sinks,
                                chunk_size=chunk_size)
 
-    saved = [(m, m.scaled_dot_product_attention) for m in mods]
-    try:
-        for m in mods:
-            m.scaled_dot_product_attention = sdpa
+    with swap_attention(modules, sdpa):
         yield
-    finally:
-        for m, original in reversed(saved):
-            m.scaled_dot_product_attention = original
 
 
 class ShardRope(nn.Module):

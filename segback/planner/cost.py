@@ -64,7 +64,6 @@ BWD_LINEAR, BWD_ATTN_FUSED, BWD_ATTN_CHUNKED = 1.0, 2.0, 3.0
 # S and dP twice, in the dK/dV pass and the dQ pass (3.5x).
 BWD_ATTN = {"composed": BWD_ATTN_FUSED, "mlx": 2.5, "flash": 3.5, "chunked": BWD_ATTN_CHUNKED}
 FAST_KERNELS = ("mlx", "flash")
-FLASH_HEAD_DIMS = (64, 128, 256, 512)  # segback.engine.flash.HEAD_DIMS
 # Time of one attention FLOP relative to one FLOP of the layers' (quantized) linears, per kernel,
 # on CUDA (elsewhere every FLOP counts alike): 4-bit linears run at about 0.19 of the bf16
 # matmul rate; attention_bench on one H100 (run h100-run22, bench/RESULTS.md) measured MLX's
@@ -237,11 +236,11 @@ class CostModel:
 
     def fast_kernel(self, g: LayerGeom) -> str | None:
         """The O(L) fused kernel attention="fused" runs for layer `g`, if any."""
-        if not (self.fast_kernels and self.g.dtype_bytes == 2):
+        from segback.engine.attention import fast_kernel_for
+
+        if not self.fast_kernels:
             return None
-        if self.window(g) is None and g.head_dim <= 128 and g.head_dim % 8 == 0:
-            return "mlx"
-        return "flash" if g.head_dim in FLASH_HEAD_DIMS else None
+        return fast_kernel_for(g.head_dim, self.g.dtype_bytes == 2, self.window(g) is not None)
 
     def _attention(self, g: LayerGeom) -> tuple[float, float]:
         """(kept until the layer's backward, transient during it) for one layer, in bytes."""
@@ -430,8 +429,8 @@ class CostModel:
             quant = 1.0 + 0.02 * g.bits if g.bits else 1.0  # dequantization work, a guess
             lin = g.linear_flops * quant * L * B
             if reference:  # the cheapest kernel this layer could run
-                kernels = ["composed", "chunked"] + ([self.fast_kernel(g)] if
-                                                     self.fast_kernel(g) else [])
+                fast = self.fast_kernel(g)
+                kernels = ["composed", "chunked"] + ([fast] if fast else [])
                 attn, attn_bwd = min((self._attention_flops(g, k) for k in kernels), key=sum)
             else:
                 attn, attn_bwd = self._attention_flops(g, self.kernel(g))
