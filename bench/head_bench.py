@@ -19,6 +19,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from segback.bench import append_rows, with_provenance
 from segback.engine.head import DEFAULT_MAX_ELEMENTS, head_vjp
 from segback.engine.stack import get_stack
 from segback.models.geometry import build_model
@@ -37,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, default=None, help="quantize the LM head / embedding")
     p.add_argument("--max-elements", type=int, default=DEFAULT_MAX_ELEMENTS)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--out", default=None, help="append one row per path to this JSON lines file")
+    p.add_argument("--config-name", default=None, help="row key \"config\"")
+    p.add_argument("--run", default=None, help="row key \"run\"")
     return p.parse_args(argv)
 
 
@@ -83,12 +87,19 @@ def main(argv: list[str] | None = None) -> None:
           f"bits={args.bits} B={B} tokens={args.seq} prompt={args.prompt} "
           f"softcap={head.softcap} runs={args.runs}")
     base = [statistics.median(r[i] for r in results["autodiff"]) for i in (0, 1)]
+    out = []
     for k, rows in results.items():
         wall, cpu = (statistics.median(r[i] for r in rows) for i in (0, 1))
         peak = max(r[2] for r in rows)
         print(f"  {k:9s} wall {wall:6.2f} s ({', '.join(f'{r[0]:.2f}' for r in rows)})  "
               f"cpu {cpu:6.2f} s  peak +{peak:.3f} GB  loss {losses[k]:.6f}  "
               f"speed-up wall {base[0] / wall:.2f}x cpu {base[1] / cpu:.2f}x")
+        out.append(dict(script="bench/head_bench.py", path=k, model=args.model, seq=args.seq,
+                        batch=B, dtype=args.dtype, bits=args.bits, vocab=V, seconds=wall,
+                        cpu_seconds=cpu, peak_gb=round(peak, 3), loss=losses[k],
+                        speedup=round(base[0] / wall, 3), device=str(mx.default_device())))
+    if args.out:
+        append_rows(args.out, [with_provenance(r, args.config_name, args.run) for r in out])
 
 
 if __name__ == "__main__":

@@ -262,6 +262,24 @@ CONFIGS += [
     Config("fast-128k", "h200",
            "e4b at 128K with the defaults at G = 24 (145.8 s a step before the fast path)",
            (_e4b(131072, 0, *DEFAULTS, "--target-gb", "24", timeout=900),)),
+    Config("segment-memory", "h200",
+           "one untiled segment's backward transient (1-3 layers, fused attention, with and "
+           "without dequantized matmuls) against the cost model's, Llama-8B at 8K and 32K: "
+           "splits a misprediction into its per-layer slope and its fixed part",
+           (("bench/segment_memory.py", "--model", "llama-3.1-8b", "--seq", "8192", "32768",
+             "--layers", "1", "2", "3"),)),
+    Config("fast-profile", "h200",
+           "where the defaults' step goes (inside / outside mx.eval, per phase): Llama-8B 8K "
+           "at G = 16, e4b 8K at G = 8",
+           (("bench/step_profile.py", *LLAMA8B, "--seq", "8192", "--target-gb", "16"),
+            ("bench/step_profile.py", *E4B, "--seq", "8192", "--target-gb", "8"))),
+    Config("fast-head", "h200",
+           "the loss head alone, autodiff against the fused head (logits once, one float32 "
+           "pass): e4b (262K vocabulary, softcap) and Llama-8B at 8K, bf16, 4-bit",
+           (("bench/head_bench.py", "--model", "e4b", "--seq", "8192", "--dtype", "bfloat16",
+             "--bits", "4", "--runs", "3"),
+            ("bench/head_bench.py", "--model", "llama-3.1-8b", "--seq", "8192", "--dtype",
+             "bfloat16", "--bits", "4", "--runs", "3"))),
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
 GROUPS = {
@@ -270,7 +288,8 @@ GROUPS = {
     "h200-untiled": [c.name for c in CONFIGS if c.name.startswith(("untiled", "chunked"))],
     "h200-eqmem": ["eqmem-2k", "eqmem-8k", "auto-8k-dq", "eqmem-2k-16"],
     "h200-defaults": ["defaults-dq", "defaults-ops", "planner-long"],
-    "fast-path": ["attn-kernels", "fast-path-8k", "fast-defaults", "fast-128k"],
+    "fast-path": ["attn-kernels", "fast-path-8k", "fast-defaults", "fast-128k", "segment-memory",
+                  "fast-profile", "fast-head"],
     "cpu": ["cpu-table", "cpu-chunked", "cpu-tiled", "cpu-e4b-slice"],
     "smoke": ["cpu-smoke", "cpu-smoke-tiled"],
 }
