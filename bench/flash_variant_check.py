@@ -7,7 +7,7 @@ output and each gradient (max |x - ref| / max |ref|, reference = the dense float
 on the upcast inputs). Exit status 1 if a variant's error exceeds `--factor` times v1's (plus
 bf16's half-ulp), or is not finite.
 
-    python bench/flash_variant_check.py --variants v1 v2
+    python bench/flash_variant_check.py --variants v1 v2 [--out bench/data/runs.jsonl]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from segback.bench import append_rows, with_provenance  # noqa: E402
 from segback.engine import flash  # noqa: E402
 from segback.engine.attention import Blocks  # noqa: E402
 
@@ -89,7 +90,18 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(flash.VARIANTS))
     ap.add_argument("--dims", type=int, nargs="+", default=list(flash.HEAD_DIMS))
     ap.add_argument("--factor", type=float, default=2.0)
+    ap.add_argument("--out", default=None, help="append one row per case and variant here "
+                    "(e.g. bench/data/runs.jsonl)")
+    ap.add_argument("--config-name", default=None, help="row key \"config\"")
+    ap.add_argument("--run", default=None, help="row key \"run\"")
     args = ap.parse_args()
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        if args.out:
+            append_rows(args.out, [with_provenance(dict(bench="flash_variant_check", **row),
+                                                   args.config_name, args.run)])
+
     ok = True
     for D in args.dims:
         for case in CASES:
@@ -98,16 +110,15 @@ def main() -> None:
                 try:
                     err, ref = errors(case, D, variant, ref)
                 except Exception as e:  # noqa: BLE001 - a failing kernel is a result here
-                    print(json.dumps(dict(D=D, case=case, variant=variant,
-                                          error=f"{type(e).__name__}: {str(e)[:300]}")))
+                    emit(dict(D=D, case=case, variant=variant,
+                              error=f"{type(e).__name__}: {str(e)[:300]}"))
                     ok = False
                     continue
                 base = base or err
                 bad = [n for n, x in err.items()
                        if not math.isfinite(x) or x > args.factor * base[n] + 2 ** -9]
                 ok &= not bad
-                print(json.dumps(dict(D=D, case=case, variant=variant, **err,
-                                      worse=bad or None)), flush=True)
+                emit(dict(D=D, case=case, variant=variant, **err, worse=bad or None))
     sys.exit(0 if ok else 1)
 
 
