@@ -9,9 +9,10 @@ with that chunk under its own label, as the instruction says every answer does (
 chunk starts at the first message").
 
 Windows are filled greedily: messages are added while the rendered example (instruction, the
-window's transcript, its gold answer) fits in `window` tokens of the model's tokenizer; the
-count is estimated from per-message token counts and then checked exactly, so every window
-fits. A single message that cannot fit in a window on its own is an error naming it.
+window's transcript, its gold answer) fits in `window` tokens of the model's tokenizer. The
+count is estimated from per-message token counts, then settled exactly (one message fewer or
+more while needed), so every window fits and the next message would not. A single message
+that cannot fit in a window on its own is an error naming it.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ class _Counter:
         messages = transcript(case)
         self.blocks = [self._tokens(render_transcript([m])) for m in messages]
         self.join = self._tokens("\n\n")
-        label_tokens = {label: self._tokens(json.dumps({"anchor": messages[s]["id"],
-                                                        "label": label}))
-                        for s, _, label in chunk_spans(case)}
+        label_tokens = {label: self._tokens(json.dumps(
+            {"anchor": messages[s]["id"], "label": label}, ensure_ascii=False,
+            separators=(",", ":"))) for s, _, label in chunk_spans(case)}  # as gold_completion
         self.spans = [(s, e, label_tokens[label]) for s, e, label in chunk_spans(case)]
         one = self.exact(0, 1)[0]  # the fixed part: instruction, template, answer brackets
         self.fixed = one - self.blocks[0] - self.spans[0][2]
@@ -97,9 +98,14 @@ def cut_case(case: dict, tokenizer: Any, window: int) -> list[dict]:
         while stop < n and count.estimate(start, stop + 1) <= window:
             stop += 1
         tokens, prompt = count.exact(start, stop)
-        while tokens > window and stop > start + 1:
+        while tokens > window and stop > start + 1:  # the estimate was short
             stop -= 1
             tokens, prompt = count.exact(start, stop)
+        while stop < n and tokens <= window:  # the estimate was long: one more may fit
+            more = count.exact(start, stop + 1)
+            if more[0] > window:
+                break
+            stop, (tokens, prompt) = stop + 1, more
         if tokens > window:
             mid = transcript(case)[start]["id"]
             raise ValueError(f"case {case['id']}: message {mid} alone makes a {tokens}-token "
