@@ -131,3 +131,14 @@ def test_long_smoke_run(tmp_path):
     out = snakemake(work, *cfg, "-n").stdout
     assert "Nothing to be done" in out, out[-2000:]
     assert wall < 600, f"long smoke run took {wall:.0f} s (about 250 s on a loaded 2-core CPU)"
+
+
+def test_window_problems():
+    from segback.config_check import _window_problems
+
+    assert _window_problems({"seq": [4096, 8192], "train": {"window": [None, 2048]}}) == []
+    assert _window_problems({"seq": 2048, "train": {}}) == []
+    (generic,) = _window_problems({"task": "generic", "seq": 4096, "train": {"window": 1024}})
+    assert "task: chunking" in generic
+    (long,) = _window_problems({"seq": [1024, 4096], "train": {"window": [None, 2048]}})
+    assert long.startswith("`train.window`: 2048 is not shorter than `seq` 1024")
