@@ -92,6 +92,7 @@ def check_config(config: dict, schema_path: str | Path,
                         f"`train.ranks` ({ranks}) as in mlx_lm.lora: give a multiple of {ranks}")
     problems += _random_only_problems(config.get("models"))
     problems += _model_problems(config)
+    problems += _window_problems(config)
     if problems:
         raise ConfigError("config: " + "\n  ".join(
             ["the workflow cannot run with this config; fix these keys "
@@ -114,6 +115,23 @@ def _model_problems(config: dict) -> list[str]:
     problems += [f"`models.{m}`: {m!r} is reserved (a folder of results/); rename it"
                  for m in RESERVED_MODEL_NAMES if m in models]
     return problems
+
+
+def _window_problems(config: dict) -> list[str]:
+    """Windows cut chunking cases, and only cases longer than a window need cutting."""
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    windows = train.get("window")
+    windows = [w for w in (windows if isinstance(windows, list) else [windows])
+               if isinstance(w, int) and not isinstance(w, bool)]
+    if not windows:
+        return []
+    if config.get("task") == "generic":
+        return ["`train.window`: cuts chunking cases into windows (task: chunking); with task: "
+                "generic leave it out"]
+    seqs = config.get("seq") if isinstance(config.get("seq"), list) else [config.get("seq")]
+    return [f"`train.window`: {w} is not shorter than `seq` {s}: a window that holds the whole "
+            "case is the whole case; give a shorter window or null"
+            for w in windows for s in seqs if isinstance(s, int) and w >= s]
 
 
 def _random_only_problems(models: Any) -> list[str]:
