@@ -106,7 +106,7 @@ def check_config(config: dict, schema_path: str | Path,
     if problems:
         raise ConfigError("config: " + "\n  ".join(
             ["the workflow cannot run with this config; fix these keys "
-             "(config/config.yaml documents each):", *problems]))
+             "(config/README.md documents each):", *problems]))
 
 
 # Names a config may not give, because they are folders beside the ones it names: a model's
