@@ -295,6 +295,17 @@ def test_inline_flags_exist():
     assert not problems, "\n".join(problems)
 
 
+def test_every_command_has_a_contract_and_a_mention():
+    from segback.cli import COMMANDS
+
+    contracts = {m.group(1) for s in spans(REPO / "docs" / "CONTRACTS.md")
+                 if (m := re.match(r"segback ([\w-]+) ", s))}
+    assert set(COMMANDS) - contracts == set(), "commands without a row in docs/CONTRACTS.md"
+    usage = (REPO / "docs" / "usage.md").read_text()
+    listed = re.search(r"`segback --help` lists them: ([^;]*);", usage, re.S).group(1)
+    assert [c.strip() for c in listed.replace("\n", " ").split(",")] == list(COMMANDS)
+
+
 def test_quick_start_is_the_two_make_targets():
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
