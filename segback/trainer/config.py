@@ -559,9 +559,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}") from None
     try:
         values = json.loads(text) if path.suffix == ".json" else yaml.load(text, _Loader)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
-                          f"({str(e).splitlines()[0]})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}, line {e.lineno}, column {e.colno}: not valid JSON "
+                          f"({e.msg})") from None
+    except yaml.YAMLError as e:  # the file, line and column, and the line itself
+        from segback.config_check import yaml_problem
+
+        raise ConfigError(yaml_problem(path, e, text)) from None
     if values is None:
         return {}
     if not isinstance(values, dict):
