@@ -20,7 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from context_cases import CASES, case_inputs
+from context_cases import CASES, MODELS, RUNS, STEPS, case_inputs, optimizer
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.trainer import default_loss
 from test_distributed import env, free_ports, launcher
 from test_engine import _cast, assert_as_exact_as_mlx_lm
@@ -58,38 +59,71 @@ def ring_results(tmp_path_factory) -> dict[int, Path]:
     return out
 
 
+def train_one_process(name, model, batch, lengths) -> tuple[tuple[float, int], dict, dict]:
+    """mlx-lm's ((loss, tokens), grads) of the first step and the adapter after STEPS steps,
+    in the model's dtype."""
+    opt = optimizer(name)
+    grad_fn = nn.value_and_grad(model, default_loss)
+    for step in range(STEPS):
+        (loss, n), grads = grad_fn(model, batch, lengths)
+        if step == 0:
+            first = (float(loss), int(n)), grads
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+    return (*first, dict(tree_flatten(model.trainable_parameters())))
+
+
 @pytest.fixture(scope="module")
 def references() -> dict:
-    """Per case: mlx-lm's float32 (loss, grads) and the float64 (loss, grads) on the whole
-    rows in one process."""
+    """Per model: mlx-lm's float32 and float64 (loss, tokens), first-step grads and the adapter
+    after STEPS steps, on the whole rows in one process, from the same start."""
     refs = {}
-    for name in CASES:
-        model, batch, lengths, _ = case_inputs(name)
-        (l32, n32), g32 = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    for name in MODELS:
+        model, batch, lengths, *_ = case_inputs(name)
+        start = dict(tree_flatten(model.trainable_parameters()))
+        (l32, n32), g32, a32 = train_one_process(name, model, batch, lengths)
+        model.load_weights(list(start.items()), strict=False)
         _cast(model, mx.float32, mx.float64)
-        (l64, _), _ = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+        (l64, _), _, a64 = train_one_process(name, model, batch, lengths)
         _cast(model, mx.float64, mx.float32)
-        refs[name] = (model, batch, lengths, float(l32), float(l64), int(n32), g32)
+        model.load_weights(list(start.items()), strict=False)
+        refs[name] = (model, batch, lengths, l32, l64, n32, g32, a32, a64)
     return refs
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("order", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_ring_equals_one_process(ring_results, references, ranks, order, name):
-    model, batch, lengths, l32, l64, ntoks, g32 = references[name]
+@pytest.mark.parametrize("name,order,steps", RUNS)
+def test_ring_equals_one_process(ring_results, references, ranks, name, order, steps):
+    model, batch, lengths, l32, l64, ntoks, g32, a32, a64 = references[CASES[name][0]]
     got = np.load(ring_results[ranks] / f"{name}.{order}.npz")
     assert int(got["n"]) == ntoks and 0 < int(got["local_n"]) < ntoks
     assert abs(float(got["loss"]) - l64) <= 5 * abs(l32 - l64) + 1e-6 * abs(l64)
     ours = {k[len("grad."):]: mx.array(got[k]) for k in got.files if k.startswith("grad.")}
-    from mlx.utils import tree_unflatten
     assert_as_exact_as_mlx_lm(model, g32, tree_unflatten(list(ours.items())), batch, lengths)
+    if steps < STEPS:
+        return
+    # after STEPS steps: as close to the float64 adapter as mlx-lm's float32 one is
+    adapter = {k[len("adapter."):]: got[k] for k in got.files if k.startswith("adapter.")}
+    assert adapter.keys() == a64.keys()
+    top = max(float(mx.abs(v).max()) for v in a64.values())
+    for k, exact in a64.items():
+        exact = np.array(exact)
+        ref_err = np.linalg.norm(np.array(a32[k]) - exact)
+        err = np.linalg.norm(adapter[k] - exact)
+        assert err <= 5 * ref_err + 1e-6 * (np.linalg.norm(exact) + top), (k, err, ref_err)
 
 
-def test_ranks_that_disagree_all_stop(ring_results):
-    for n in (2, 4):
-        said = (ring_results[n] / "refused.txt").read_text()
-        assert f"rank(s) {n - 1} have other options" in said, said
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bad_input_stops_every_rank(ring_results, ranks):
+    said = {what: [(ring_results[ranks] / f"{what}.{r}.txt").read_text() for r in range(ranks)]
+            for what in ("refused", "indivisible")}
+    assert all(f"rank(s) {ranks - 1} have other options" in t for t in said["refused"]), said
+    assert all(f"--context-parallel {ranks + 1} does not divide the {ranks} rank(s)" in t
+               for t in said["indivisible"]), said
+    if ranks == 4:  # every rank names the ranks that cannot send, and what to do
+        for r in range(ranks):
+            t = (ring_results[ranks] / f"neighbours.{r}.txt").read_text()
+            assert "rank(s) 0, 1, 2, 3 could not send" in t and "--backend ring or mpi" in t, t
 
 
 # ---- segback train --context-parallel --------------------------------------------------------

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Literal
 
@@ -50,10 +50,12 @@ class RingError(ValueError):
 
 @dataclass(frozen=True)
 class Shards:
-    """Which global positions (of L) each of R ranks holds, in the order it holds them."""
+    """Which global positions (of L) each of R ranks holds, in the order it holds them. Equal
+    (and hashed) by how they were made: `shard_positions(length, size, order)`."""
 
     length: int
-    positions: tuple[np.ndarray, ...]
+    order: str
+    positions: tuple[np.ndarray, ...] = field(compare=False)
 
     @property
     def size(self) -> int:
@@ -91,9 +93,9 @@ def shard_positions(length: int, ranks: int, order: str = "zigzag") -> Shards:
             f"{ranks} context ranks: use fewer context ranks or longer sequences")
     parts = np.array_split(np.arange(length, dtype=np.int64), pieces)
     if order == "contiguous":
-        return Shards(length, tuple(parts))
-    return Shards(length, tuple(np.concatenate([parts[r], parts[pieces - 1 - r]])
-                                for r in range(ranks)))
+        return Shards(length, order, tuple(parts))
+    return Shards(length, order, tuple(np.concatenate([parts[r], parts[pieces - 1 - r]])
+                                       for r in range(ranks)))
 
 
 @dataclass(frozen=True)
@@ -219,10 +221,11 @@ def ring_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, window: in
     return out, lse.reshape(B, H, n, 1)
 
 
-def ring_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, lse: mx.array,
-                  d_out: mx.array, scale: float, window: int | None, ring: Ring,
+def ring_backward(q: mx.array, k: mx.array, v: mx.array, lse: mx.array, d_out: mx.array,
+                  delta: mx.array, scale: float, window: int | None, ring: Ring,
                   shards: Shards, chunk: int) -> tuple[mx.array, mx.array, mx.array]:
-    """(dQ, dK, dV) of `ring_forward`; dK and dV of every block come home to its owner."""
+    """(dQ, dK, dV) of `ring_forward`, given rowsum(dO * O) `delta` [B, H, n, 1] (float32);
+    dK and dV of every block come home to its owner."""
     B, H, n, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     rep = H // Hkv
@@ -232,7 +235,7 @@ def ring_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, lse: mx.
     q5 = q.astype(f32).reshape(B, Hkv, rep, n, D)
     do5 = d_out.astype(f32).reshape(B, Hkv, rep, n, Dv)
     lse5 = lse.reshape(B, Hkv, rep, n, 1)
-    delta = (do5 * out.astype(f32).reshape(B, Hkv, rep, n, Dv)).sum(-1, keepdims=True)
+    delta = delta.astype(f32).reshape(B, Hkv, rep, n, 1)
     pad = shards.padded - n
     kv = mx.concatenate([k.astype(f32), v.astype(f32)], axis=-1)
     kv = mx.pad(kv, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else kv
@@ -270,39 +273,62 @@ def ring_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, lse: mx.
     return dq_all, dkv[..., :D].astype(k.dtype), dkv[..., D:].astype(v.dtype)
 
 
-def ring_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int | None,
-              ring: Ring, shards: Shards, chunk_size: int | None = None) -> mx.array:
+def ring_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: RingMask
+              ) -> mx.array:
     """Attention of this rank's queries over the whole sequence's keys, with its VJP.
 
-    q [B, H, n, D], k/v [B, Hkv, n, D]: this rank's shard (positions `shards.positions[rank]`).
+    q [B, H, n, D], k/v [B, Hkv, n, D]: this rank's shard (positions
+    `mask.shards.positions[mask.ring.rank]`).
     """
-    B, H, n, _ = q.shape
-    if window is not None and window >= shards.length:
-        window = None
-    chunk = chunk_size or default_chunk_size(B, H, n, shards.padded, None)
 
     @mx.custom_function
     def attend(q, k, v):
-        return ring_forward(q, k, v, scale, window, ring, shards, chunk)
+        return mask.forward(q, k, v, scale)
 
     @attend.vjp
     def attend_vjp(primals, cotangents, outputs):
-        q, k, v = primals
-        return ring_backward(q, k, v, outputs[0], outputs[1], cotangents[0], scale, window,
-                             ring, shards, chunk)
+        out, lse = outputs
+        d_out = cotangents[0]
+        delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1, keepdims=True)
+        return mask.backward(*primals, lse, d_out, delta, scale)
 
     return attend(q, k, v)[0]
 
 
 @dataclass(frozen=True)
 class RingMask:
-    """A layer's mask under context parallelism: causal or sliding over `window`, run by
-    `ring_sdpa` over the whole ring."""
+    """A layer's mask under context parallelism: causal or sliding over `window`, attended
+    over the whole ring. The untiled engine's attention calls reach it through `ring_sdpa`;
+    the tiled engine calls `forward` and `backward` once per layer. `chunk`: queries per block
+    of scores (None: `default_chunk_size`'s)."""
 
     kind: Literal["causal", "sliding"]
     window: int | None
     ring: Ring
     shards: Shards
+    chunk: int | None = None
+
+    def _shape(self, q: mx.array) -> tuple[int | None, int]:
+        """(the window, None where it covers the sequence; queries per chunk)."""
+        B, H, n, _ = q.shape
+        window = self.window if self.kind == "sliding" else None
+        if window is not None and window >= self.shards.length:
+            window = None
+        return window, self.chunk or default_chunk_size(B, H, n, self.shards.padded, None)
+
+    def forward(self, q: mx.array, k: mx.array, v: mx.array, scale: float
+                ) -> tuple[mx.array, mx.array]:
+        """(O, row LSE) of this rank's queries: `ring_forward`."""
+        window, chunk = self._shape(q)
+        return ring_forward(q, k, v, scale, window, self.ring, self.shards, chunk)
+
+    def backward(self, q: mx.array, k: mx.array, v: mx.array, lse: mx.array,
+                 d_out: mx.array, delta: mx.array, scale: float
+                 ) -> tuple[mx.array, mx.array, mx.array]:
+        """(dQ, dK, dV) of `forward`: `ring_backward`."""
+        window, chunk = self._shape(q)
+        return ring_backward(q, k, v, lse, d_out, delta, scale, window, self.ring,
+                             self.shards, chunk)
 
 
 @contextlib.contextmanager
@@ -313,8 +339,8 @@ def use_ring_attention(modules: Sequence[ModuleType | str], chunk_size: int | No
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(mask, RingMask) and cache is None and sinks is None:
-            return ring_sdpa(queries, keys, values, scale, mask.window, mask.ring,
-                             mask.shards, chunk_size)
+            return ring_sdpa(queries, keys, values, scale,
+                             replace(mask, chunk=chunk_size) if chunk_size else mask)
         if isinstance(mask, RingMask):
             raise RingError("context-parallel attention takes no KV cache and no sinks")
         return sdpa_for_mlx_lm(queries, keys, values, cache, scale, mask, sinks,
