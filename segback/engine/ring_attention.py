@@ -8,8 +8,10 @@ results with their log-sum-exp (flash-attention style), so no rank ever holds mo
 blocks, and no [L, L] array exists.
 
 - Forward: R steps; step s attends to the block of rank (r - s) mod R, while the next block is
-  already on its way (the exchange runs on its own stream). Blocks a query cannot see (causal, or
-  outside the window) are skipped; only their transfer is paid. Saves O and the row LSE.
+  already on its way. Each chunk of queries scores only the keys of the block it may see (a
+  range: positions are sorted), so a zig-zag shard's causal work is its share of the pairs;
+  blocks no query of a chunk sees are skipped, and only their transfer is paid. Saves O and
+  the row LSE.
 - Backward: recomputes each block's probabilities from the saved LSE (nothing of the forward's
   scores is kept); the block's dK/dV accumulators travel with it around the ring, each rank adds
   its queries' share, and one last hop brings them home to the block's owner.
@@ -74,6 +76,12 @@ class Shards:
         stops = np.concatenate([cuts, [len(pos)]])
         return [(int(a), int(b), int(pos[a])) for a, b in zip(starts, stops)]
 
+    def chunks(self, rank: int, size: int) -> list[tuple[int, int]]:
+        """Local (start, stop) of at most `size` queries, none across two runs: a chunk's keys
+        then are one range of every block (`_key_range`), never the keys of both runs."""
+        return [(a + c, min(a + c + size, b)) for a, b, _ in self.runs(rank)
+                for c in range(0, b - a, size)]
+
     def key_positions(self, rank: int) -> np.ndarray:
         """Rank's key positions padded to `padded` with never-visible ones."""
         pos = self.positions[rank]
@@ -127,23 +135,24 @@ class Ring:
         return mx.depends(y, sent)
 
 
-def _visibility(qpos: np.ndarray, kpos: np.ndarray, window: int | None) -> str:
-    """'none', 'all' or 'some' of keys `kpos` visible to queries `qpos` (both sorted runs are
-    not assumed; pads are beyond every query)."""
-    real = kpos[kpos < _PAD]
-    if real.size == 0 or real.min() > qpos.max():
-        return "none"
+def _key_range(qpos: np.ndarray, kpos: np.ndarray, window: int | None
+               ) -> tuple[str, int, int]:
+    """('none', 'all' or 'some', k0, k1): the keys kpos[k0:k1] are the only ones queries `qpos`
+    may see (causal, within the window), and whether none, all or some (query, key) pairs of
+    that range are visible. Both are sorted (a shard's positions are; pads come last)."""
+    k1 = int(np.searchsorted(kpos, qpos[-1], side="right"))  # keys <= the last query
+    k0 = 0 if window is None else int(np.searchsorted(kpos, qpos[0] - window + 1))
+    if k1 <= k0:
+        return "none", 0, 0
+    keys = kpos[k0:k1]
     if window is not None:
-        ks = np.sort(real)
-        # the latest key at or before each query: visible iff within the window
-        j = np.searchsorted(ks, qpos, side="right") - 1
+        # the latest key at or before each query: some pair is visible iff one is in the window
+        j = np.searchsorted(keys, qpos, side="right") - 1
         ok = j >= 0
-        if not np.any(qpos[ok] - ks[j[ok]] < window):
-            return "none"
-    full = real.size == kpos.size and kpos.max() <= qpos.min()
-    if full and (window is None or qpos.max() - kpos.min() < window):
-        return "all"
-    return "some"
+        if not np.any(qpos[ok] - keys[j[ok]] < window):
+            return "none", 0, 0
+    every = keys[-1] <= qpos[0] and (window is None or qpos[-1] - keys[0] < window)
+    return ("all" if every else "some"), k0, k1
 
 
 def _mask(qpos: np.ndarray, kpos: np.ndarray, window: int | None) -> mx.array:
@@ -156,21 +165,28 @@ def _mask(qpos: np.ndarray, kpos: np.ndarray, window: int | None) -> mx.array:
 
 @dataclass(frozen=True)
 class _Plan:
-    """Static per-call work: query chunks, and per (step, chunk) how much of the block shows."""
+    """Static per-call work: query chunks, and per (step, chunk) which keys of the block in
+    hand it may see and whether all of them show (`_key_range`)."""
 
     chunks: list[tuple[int, int]]
     owners: list[int]
-    seen: dict[tuple[int, int], str]
+    seen: dict[tuple[int, int], tuple[str, int, int]]
 
     @classmethod
     def make(cls, shards: Shards, ring: Ring, window: int | None, chunk: int) -> _Plan:
-        n = len(shards.positions[ring.rank])
-        chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+        chunks = shards.chunks(ring.rank, chunk)
         owners = [(ring.rank - s) % ring.size for s in range(ring.size)]
         qpos = shards.positions[ring.rank]
-        seen = {(s, j): _visibility(qpos[a:b], shards.key_positions(o), window)
+        keys = {o: shards.key_positions(o) for o in owners}
+        seen = {(s, j): _key_range(qpos[a:b], keys[o], window)
                 for s, o in enumerate(owners) for j, (a, b) in enumerate(chunks)}
         return cls(chunks, owners, seen)
+
+
+def _add_keys(acc: mx.array, update: mx.array, start: int) -> mx.array:
+    """acc[:, :, start:start + n] += update (a range of a block's keys)."""
+    stop = start + update.shape[2]
+    return mx.slice_update(acc, acc[:, :, start:stop] + update, mx.array([start]), (2,))
 
 
 def _scores(qc: mx.array, kb: mx.array, scale: float) -> mx.array:
@@ -198,14 +214,14 @@ def ring_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, window: in
     for s, owner in enumerate(plan.owners):
         following = ring.rotate(kv) if s + 1 < ring.size else None  # in flight meanwhile
         kpos = shards.key_positions(owner)
-        kb, vb = kv[..., :D], kv[..., D:]
         for j, (a, b) in enumerate(plan.chunks):
-            seen = plan.seen[s, j]
+            seen, k0, k1 = plan.seen[s, j]
             if seen == "none":
                 continue
+            kb, vb = kv[:, :, k0:k1, :D], kv[:, :, k0:k1, D:]
             sc = _scores(q5[:, :, :, a:b], kb, scale)
             if seen == "some":
-                sc = mx.where(_mask(qpos[a:b], kpos, window), sc, -mx.inf)
+                sc = mx.where(_mask(qpos[a:b], kpos[k0:k1], window), sc, -mx.inf)
             m_new = mx.maximum(m[j], sc.max(axis=-1, keepdims=True))
             p = mx.exp(sc - m_new)
             alpha = mx.exp(m[j] - m_new)
@@ -246,23 +262,22 @@ def ring_backward(q: mx.array, k: mx.array, v: mx.array, lse: mx.array, d_out: m
         # K/V leave after the last step's dK/dV did: one order of messages on every rank
         following = ring.rotate(mx.depends(kv, dkv)) if s + 1 < ring.size else None
         kpos = shards.key_positions(owner)
-        kb, vb = kv[..., :D], kv[..., D:]
-        dk, dv = dkv[..., :D], dkv[..., D:]
         for j, (a, b) in enumerate(plan.chunks):
-            seen = plan.seen[s, j]
+            seen, k0, k1 = plan.seen[s, j]
             if seen == "none":
                 continue
+            kb, vb = kv[:, :, k0:k1, :D], kv[:, :, k0:k1, D:]
             qc, doc = q5[:, :, :, a:b], do5[:, :, :, a:b]
             sc = _scores(qc, kb, scale)
             if seen == "some":
-                sc = mx.where(_mask(qpos[a:b], kpos, window), sc, -mx.inf)
+                sc = mx.where(_mask(qpos[a:b], kpos[k0:k1], window), sc, -mx.inf)
             p = mx.exp(sc - lse5[:, :, :, a:b])
-            dv = dv + (p.swapaxes(-1, -2) @ doc).sum(axis=2)
+            dv = (p.swapaxes(-1, -2) @ doc).sum(axis=2)
             dp = doc @ vb[:, :, None].swapaxes(-1, -2)
             ds = p * (dp - delta[:, :, :, a:b]) * scale
             dq[j] = dq[j] + ds @ kb[:, :, None]
-            dk = dk + (ds.swapaxes(-1, -2) @ qc).sum(axis=2)
-        dkv = mx.concatenate([dk, dv], axis=-1)
+            dk = (ds.swapaxes(-1, -2) @ qc).sum(axis=2)
+            dkv = _add_keys(dkv, mx.concatenate([dk, dv], axis=-1), k0)
         # dK/dV go on to the next rank after this step's K/V left
         dkv = ring.rotate(dkv if following is None else mx.depends(dkv, following))
         if following is not None:
