@@ -222,15 +222,16 @@ def test_zigzag_balances_causal_work():
 def test_plan_per_rank(tmp_path, capsys):
     """A rank's plan: its shard's length, a peak that falls with R, the bytes it sends (each
     forward R - 1 K/V blocks, each backward R - 1 K/V and R dK/dV blocks; untiled, two forwards
-    a layer), and a plan file that refuses a longer shard."""
+    a layer), its ring buffers (K/V in hand and arriving, the float32 copy attended, dK/dV in
+    hand and arriving), and a plan file that refuses a longer shard."""
     from segback.models.geometry import geometry_config
     from segback.planner import plan_segments
     from segback.planner.cli import add_arguments, main
 
     L = 4096
     cfg = geometry_config("tiny-llama")
-    block = L // 4 * 2 * cfg["num_key_value_heads"] * (cfg["hidden_size"] //
-                                                       cfg["num_attention_heads"]) * 4
+    kv_width = cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"]
+    block = L // 4 * 2 * kv_width  # [K | V] of a shard, per byte of its elements
     plans = {R: plan_segments("tiny-llama", L, context_parallel=R, segments=1)
              for R in (1, 2, 4)}
     assert plans[1].context == {}
@@ -239,8 +240,9 @@ def test_plan_per_rank(tmp_path, capsys):
     assert (c["ranks"], c["shard_tokens"], c["seq_len"]) == (4, 1024, L)
     layers = cfg["num_hidden_layers"]
     assert c["messages_per_step"] == layers * (2 * 3 + 7)
-    assert c["sent_gb_per_step"] * 1024**3 == pytest.approx(layers * 13 * block)
-    assert c["ring_buffer_gb"] * 1024**3 == pytest.approx(4 * block)
+    # K/V in bfloat16 (the geometry's dtype), dK/dV in float32
+    assert c["sent_gb_per_step"] * 1024**3 == pytest.approx(layers * (9 * 2 + 4 * 4) * block)
+    assert c["ring_buffer_gb"] * 1024**3 == pytest.approx((2 * 2 + 3 * 4) * block)
     assert 1.0 <= c["balance"] <= 1.10
     tiled = plan_segments("tiny-llama", L, context_parallel=4, segments=2, tile=256)
     # a segment of 2 layers recomputes its first layer's forward once more

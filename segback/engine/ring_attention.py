@@ -25,7 +25,8 @@ blocks, and no [L, L] array exists.
   `create_causal_mask(window_size=...)`. Shards of unequal length (L not divisible by R) are
   padded for the exchange with keys no query sees.
 
-Arithmetic is float32 (softmax, LSE, accumulators), as the chunked attention's.
+Arithmetic is float32 (softmax, LSE, accumulators), as the chunked attention's. Keys and values
+travel in their own dtype (casting them is exact), dK/dV in float32.
 """
 
 from __future__ import annotations
@@ -183,6 +184,14 @@ class _Plan:
         return cls(chunks, owners, seen)
 
 
+def _block(k: mx.array, v: mx.array, length: int) -> mx.array:
+    """[K | V] as they travel: in their own dtype (a float32 copy of the block in hand is made
+    where it is attended), padded to the exchanged block length."""
+    kv = mx.concatenate([k, v.astype(k.dtype)], axis=-1)
+    pad = length - k.shape[2]
+    return mx.pad(kv, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else kv
+
+
 def _add_keys(acc: mx.array, update: mx.array, start: int) -> mx.array:
     """acc[:, :, start:start + n] += update (a range of a block's keys)."""
     stop = start + update.shape[2]
@@ -203,10 +212,7 @@ def ring_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, window: in
     plan = _Plan.make(shards, ring, window, chunk)
     qpos = shards.positions[ring.rank]
     q5 = q.astype(mx.float32).reshape(B, Hkv, rep, n, D)
-    pad = shards.padded - n
-    kv = mx.concatenate([k.astype(mx.float32), v.astype(mx.float32)], axis=-1)
-    kv = mx.pad(kv, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else kv
-    kv = mx.depends(kv, q)  # the exchanges start after what came before
+    kv = mx.depends(_block(k, v, shards.padded), q)  # the exchanges start after what came before
     lowest = mx.finfo(mx.float32).min
     m = [mx.full((B, Hkv, rep, b - a, 1), lowest) for a, b in plan.chunks]
     lsum = [mx.zeros((B, Hkv, rep, b - a, 1)) for a, b in plan.chunks]
@@ -214,11 +220,12 @@ def ring_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, window: in
     for s, owner in enumerate(plan.owners):
         following = ring.rotate(kv) if s + 1 < ring.size else None  # in flight meanwhile
         kpos = shards.key_positions(owner)
+        kvf = kv.astype(mx.float32)
         for j, (a, b) in enumerate(plan.chunks):
             seen, k0, k1 = plan.seen[s, j]
             if seen == "none":
                 continue
-            kb, vb = kv[:, :, k0:k1, :D], kv[:, :, k0:k1, D:]
+            kb, vb = kvf[:, :, k0:k1, :D], kvf[:, :, k0:k1, D:]
             sc = _scores(q5[:, :, :, a:b], kb, scale)
             if seen == "some":
                 sc = mx.where(_mask(qpos[a:b], kpos[k0:k1], window), sc, -mx.inf)
@@ -252,21 +259,21 @@ def ring_backward(q: mx.array, k: mx.array, v: mx.array, lse: mx.array, d_out: m
     do5 = d_out.astype(f32).reshape(B, Hkv, rep, n, Dv)
     lse5 = lse.reshape(B, Hkv, rep, n, 1)
     delta = delta.astype(f32).reshape(B, Hkv, rep, n, 1)
-    pad = shards.padded - n
-    kv = mx.concatenate([k.astype(f32), v.astype(f32)], axis=-1)
-    kv = mx.pad(kv, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else kv
-    kv = mx.depends(kv, [d_out, lse])
-    dkv = mx.zeros_like(kv)  # [dK | dV] of the block in hand, accumulated along the ring
+    kv = mx.depends(_block(k, v, shards.padded), [d_out, lse])
+    # [dK | dV] of the block in hand, accumulated along the ring (float32: it is summed on R
+    # ranks, and rounding it on the way would be error that one process does not make)
+    dkv = mx.zeros(kv.shape, f32)
     dq = [mx.zeros((B, Hkv, rep, b - a, D)) for a, b in plan.chunks]
     for s, owner in enumerate(plan.owners):
         # K/V leave after the last step's dK/dV did: one order of messages on every rank
         following = ring.rotate(mx.depends(kv, dkv)) if s + 1 < ring.size else None
         kpos = shards.key_positions(owner)
+        kvf = kv.astype(f32)
         for j, (a, b) in enumerate(plan.chunks):
             seen, k0, k1 = plan.seen[s, j]
             if seen == "none":
                 continue
-            kb, vb = kv[:, :, k0:k1, :D], kv[:, :, k0:k1, D:]
+            kb, vb = kvf[:, :, k0:k1, :D], kvf[:, :, k0:k1, D:]
             qc, doc = q5[:, :, :, a:b], do5[:, :, :, a:b]
             sc = _scores(qc, kb, scale)
             if seen == "some":

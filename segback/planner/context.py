@@ -5,8 +5,9 @@ Against a one-device plan of the shard's length, what changes is attention:
 
 - memory: ring attention works in float32. A layer's backward holds float32 copies of Q and dO,
   dQ accumulators, the row LSE and rowsum(dO * O), one chunk's scores against a whole block,
-  and four key/value blocks: the one in hand and the next one arriving, each with its dK/dV
-  (which travel with it); the untiled engine keeps each layer's LSE until its backward. No
+  the key/value block in hand (and its float32 copy) and the next one arriving, each with its
+  float32 dK/dV (which travel with it); the untiled engine keeps each layer's LSE until its
+  backward. No
   [L, L] mask exists.
 - time: each rank scores each chunk of its queries against the range of every block's keys it
   may see; the slowest rank sets the step. A step's unit is one plain forward+backward of the whole
@@ -14,7 +15,8 @@ Against a one-device plan of the shard's length, what changes is attention:
 - communication: per layer, each forward sends R - 1 key/value blocks, each backward R - 1
   key/value blocks and R dK/dV blocks, float32 [B, kv heads, shard, 2 x head dim] each. The
   untiled engine runs every layer's forward twice (the forward, the segment's recompute); the
-  tiled one also recomputes the layers inside a segment once more.
+  tiled one also recomputes the layers inside a segment once more. Keys and values travel in
+  the compute dtype, dK/dV in float32.
 """
 
 from __future__ import annotations
@@ -83,13 +85,21 @@ class RingCostModel(CostModel):
         """Queries per chunk of scores, as `RingMask` picks it."""
         return default_chunk_size(self.B, g.heads, self.L, self.shards.padded, None)
 
-    def block_bytes(self, g: LayerGeom) -> float:
-        """One key/value block as it travels: float32 [B, kv heads, shard, Dk + Dv]."""
-        return float(self.B * self.shards.padded * 2 * g.kv_width * F32)
+    def block_bytes(self, g: LayerGeom, dtype_bytes: int | None = None) -> float:
+        """One key/value block as it travels, [B, kv heads, shard, Dk + Dv]: K/V in the compute
+        dtype, dK/dV (`dtype_bytes=4`) in float32."""
+        s = self.g.dtype_bytes if dtype_bytes is None else dtype_bytes
+        return float(self.B * self.shards.padded * 2 * g.kv_width * s)
+
+    def ring_buffers(self, g: LayerGeom) -> float:
+        """Layer g's blocks in flight in its backward: K/V in hand and arriving, the float32
+        copy attended (below float32), and the dK/dV in hand and arriving."""
+        copy = self.block_bytes(g, F32) if self.g.dtype_bytes < F32 else 0.0
+        return 2 * self.block_bytes(g) + copy + 2 * self.block_bytes(g, F32)
 
     def ring_buffer_bytes(self) -> float:
-        """The worst layer's four blocks in flight (K/V in hand and arriving, their dK/dV)."""
-        return max(4 * self.block_bytes(g) for g in self.g.layers)
+        """The worst layer's `ring_buffers`."""
+        return max(self.ring_buffers(g) for g in self.g.layers)
 
     def _attention(self, g: LayerGeom) -> tuple[float, float]:
         B, n, s = self.B, self.L, self.g.dtype_bytes
@@ -97,7 +107,7 @@ class RingCostModel(CostModel):
         scores = CHUNKED_SCORE_COPIES * B * g.heads * self.chunk(g) * self.shards.padded * F32
         # float32 Q and dO copies, dQ accumulators, rowsum(dO * O), the LSE
         rows = B * n * (3 * g.q_width * F32 + 2 * g.heads * F32)
-        transient = rows + 4 * self.block_bytes(g) + scores
+        transient = rows + self.ring_buffers(g) + scores
         if self.tile:  # Q, dO, dQ, dK, dV in the compute dtype: in whole_sequence_bytes
             return 0.0, float(transient)
         outputs = B * n * (g.q_width + 2 * g.kv_width) * s
@@ -157,7 +167,7 @@ class RingCostModel(CostModel):
     def sent_bytes(self, segments: Sequence[tuple[int, int]]) -> float:
         """Bytes each rank sends around the ring in one step (key/value and dK/dV blocks)."""
         R = self.ranks
-        return float(sum(self.block_bytes(g) * (f * (R - 1) + 2 * R - 1)
+        return float(sum(self.block_bytes(g) * (f + 1) * (R - 1) + self.block_bytes(g, F32) * R
                          for g, f in zip(self.g.layers, self.forwards(segments))))
 
     def messages(self, segments: Sequence[tuple[int, int]]) -> int:
