@@ -213,6 +213,8 @@ def main() -> None:
                    help="cores the ranks share (BLAS threads: cores / ranks each)")
     p.add_argument("--exchange-stream", action="store_true",
                    help="also run each ring with its exchanges on their own CPU stream")
+    p.add_argument("--measures", nargs="+", default=["one", "ring", "balance"],
+                   choices=["one", "ring", "balance"], help="which measurements to run")
     p.add_argument("--out", default=None, help="append the rows to this JSON-lines file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--order", default="zigzag", help=argparse.SUPPRESS)
@@ -222,10 +224,13 @@ def main() -> None:
         return
     os.environ.update(environment(args.cores))
     rows = []
-    for make in [lambda: one_process(args)] + \
-            [lambda r=r, o=o, s=s: launch_ring(args, r, o, s) for r in args.ranks
-             for o in args.orders for s in ([False, True] if args.exchange_stream else [False])] + \
-            [lambda r=r, o=o: balance(args, r, o) for r in args.ranks for o in args.orders]:
+    streams = [False, True] if args.exchange_stream else [False]
+    todo = {"one": [lambda: one_process(args)],
+            "ring": [lambda r=r, o=o, s=s: launch_ring(args, r, o, s) for r in args.ranks
+                     for o in args.orders for s in streams],
+            "balance": [lambda r=r, o=o: balance(args, r, o) for r in args.ranks
+                        for o in args.orders]}
+    for make in [m for name in args.measures for m in todo[name]]:
         row = make()
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -77,10 +77,21 @@ class Shards:
         stops = np.concatenate([cuts, [len(pos)]])
         return [(int(a), int(b), int(pos[a])) for a, b in zip(starts, stops)]
 
+    def pieces(self, rank: int) -> list[tuple[int, int]]:
+        """Local (start, stop) of the pieces rank holds: its shard, or its two zig-zag pieces
+        (contiguous runs, adjacent for the middle rank)."""
+        n = len(self.positions[rank])
+        if self.order == "contiguous":
+            return [(0, n)]
+        first = self.length // (2 * self.size) + (rank < self.length % (2 * self.size))
+        return [(0, first), (first, n)]
+
     def chunks(self, rank: int, size: int) -> list[tuple[int, int]]:
-        """Local (start, stop) of at most `size` queries, none across two runs: a chunk's keys
-        then are one range of every block (`_key_range`), never the keys of both runs."""
-        return [(a + c, min(a + c + size, b)) for a, b, _ in self.runs(rank)
+        """Local (start, stop) of at most `size` queries, none across two pieces: a chunk's
+        keys then are one range of every block (`_key_range`), never those of two runs, and
+        the middle rank, whose pieces meet, chunks its diagonal block as finely as the others
+        (causal work stays balanced)."""
+        return [(a + c, min(a + c + size, b)) for a, b in self.pieces(rank)
                 for c in range(0, b - a, size)]
 
     def key_positions(self, rank: int) -> np.ndarray:
