@@ -224,7 +224,8 @@ class TrainConfig:
                         "test stay unpacked; needs an untiled plan", group="segback")
     context_parallel: int = option(1, int, "split each sequence over this many ranks of "
                                    "mlx.launch (ring attention, exact); the world is data x "
-                                   "context ranks; untiled plans only", check=at_least(1),
+                                   "context ranks; --plan auto plans each rank's shard; "
+                                   "not with --pack", check=at_least(1),
                                    group="segback")
     context_order: str = option("zigzag", str, "how --context-parallel shards a sequence: "
                                 "zigzag (each rank an early and a late piece: causal work "
