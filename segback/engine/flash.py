@@ -294,6 +294,14 @@ def _forward_v2(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
         (len(kr) * threads, B * H, 1), threads, smem_v2(kind, D, queries.dtype.size)))
 
 
+def _delta(output: mx.array | None, d_output: mx.array, delta: mx.array | None,
+           shape: tuple[int, int, int]) -> mx.array:
+    """rowsum(dO * O) in float32 [B, H, Lq], unless the caller has it already."""
+    if delta is None:
+        delta = (d_output.astype(mx.float32) * output.astype(mx.float32)).sum(-1)
+    return delta.reshape(shape)
+
+
 def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: mx.array | None,
                    lse: mx.array, d_output: mx.array, scale: float, window: int | None = None,
                    blocks=None, delta: mx.array | None = None, ldsm: bool = True,
@@ -306,9 +314,7 @@ def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: 
     B, H, Lq, D = queries.shape
     Hkv, Lk = keys.shape[1], keys.shape[2]
     window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
-    if delta is None:
-        delta = (d_output.astype(mx.float32) * output.astype(mx.float32)).sum(-1)
-    delta = delta.reshape(B, H, Lq)
+    delta = _delta(output, d_output, delta, (B, H, Lq))
     cfg = _tiles(D)
     item = queries.dtype.size
     d_output = d_output.astype(queries.dtype)
@@ -341,9 +347,7 @@ def _backward_v2(queries: mx.array, keys: mx.array, values: mx.array, output: mx
     B, H, Lq, D = queries.shape
     Hkv, Lk = keys.shape[1], keys.shape[2]
     window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
-    if delta is None:
-        delta = (d_output.astype(mx.float32) * output.astype(mx.float32)).sum(-1)
-    delta = delta.reshape(B, H, Lq)
+    delta = _delta(output, d_output, delta, (B, H, Lq))
     cfg, item, seg_on = _tiles_v2(D), queries.dtype.size, int(blocks is not None)
     d_output = d_output.astype(queries.dtype)
     common = [mx.array([scale], mx.float32), _params(queries, keys, window)]
