@@ -70,17 +70,21 @@ def test_block_ranges_cover_every_visible_pair(B, H, Hkv, L, D, window, packed):
         assert (kr[:, 1] <= np.minimum(np.arange(len(kr)) * bq + bq, L)).all()
 
 
-@pytest.mark.parametrize("B,H,Hkv,L,D,window,packed", CASES)
-def test_blocked_algorithm_equals_dense_attention(B, H, Hkv, L, D, window, packed):
-    mx.random.seed(0)
+def _inputs(seed, B, H, Hkv, L, D, window, packed):
+    """Random Q, K, V, dO of one case, its scale, packing and dense visibility."""
+    mx.random.seed(seed)
     q = mx.random.normal((B, H, L, D))
     k = mx.random.normal((B, Hkv, L, D))
     v = mx.random.normal((B, Hkv, L, D))
     do = mx.random.normal((B, H, L, D))
-    scale = D ** -0.5
     seg = _segments(B, L, 1) if packed else None
     blocks = Blocks(seg) if packed else None
-    vis = _dense_visible(L, L, window, seg)
+    return q, k, v, do, D ** -0.5, seg, blocks, _dense_visible(L, L, window, seg)
+
+
+@pytest.mark.parametrize("B,H,Hkv,L,D,window,packed", CASES)
+def test_blocked_algorithm_equals_dense_attention(B, H, Hkv, L, D, window, packed):
+    q, k, v, do, scale, seg, blocks, vis = _inputs(0, B, H, Hkv, L, D, window, packed)
 
     o, lse = flash.reference_forward(q, k, v, scale, window, blocks, bk=32)
     want_o, want_lse = _dense(q, k, v, scale, vis)
@@ -156,15 +160,7 @@ def test_v2_tiling_equals_dense_attention(B, H, Hkv, L, D, window, packed, D_til
     """The blocked algorithm with v2's block sizes (128-row query blocks, dQ tiled unlike
     dK/dV) still equals dense attention: its block ranges cover every visible pair."""
     cfg = V2_TILES[D_tiles]
-    mx.random.seed(1)
-    q = mx.random.normal((B, H, L, D))
-    k = mx.random.normal((B, Hkv, L, D))
-    v = mx.random.normal((B, Hkv, L, D))
-    do = mx.random.normal((B, H, L, D))
-    scale = D ** -0.5
-    seg = _segments(B, L, 1) if packed else None
-    blocks = Blocks(seg) if packed else None
-    vis = _dense_visible(L, L, window, seg)
+    q, k, v, do, scale, seg, blocks, vis = _inputs(1, B, H, Hkv, L, D, window, packed)
 
     o, lse = flash.reference_forward(q, k, v, scale, window, blocks, bk=cfg["fwd_bk"],
                                      bq=cfg["fwd_bq"])
