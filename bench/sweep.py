@@ -273,6 +273,10 @@ CONFIGS += [
            "at G = 16, e4b 8K at G = 8",
            (("bench/step_profile.py", *LLAMA8B, "--seq", "8192", "--target-gb", "16"),
             ("bench/step_profile.py", *E4B, "--seq", "8192", "--target-gb", "8"))),
+    Config("fused-limit", "h200",
+           "MLX's fused causal attention (cuDNN) forward + backward at Llama-8B's heads, one call "
+           "over all heads against segback's head groups, 32K-128K: where the one call stops",
+           (("bench/fused_limit.py", "--lengths", "32768", "65536", "131072"),)),
     Config("fast-head", "h200",
            "the loss head alone, autodiff against the fused head (logits once, one float32 "
            "pass): e4b (262K vocabulary, softcap) and Llama-8B at 8K, bf16, 4-bit",
