@@ -117,6 +117,20 @@ def _geometry(name):
     return read_geometry(model, 8, None, "bfloat16", model_id)
 
 
+def test_fast_kernel_follows_mlx_fused_length():
+    """MLX's kernel up to MLX_FUSED_MAX_LEN keys (counted padded to its tile), segback's flash
+    kernel past it; windows, float32 and unsupported head dims as before."""
+    from segback.engine.attention import MLX_FUSED_MAX_LEN, fast_kernel_for
+
+    assert fast_kernel_for(128, True, False, MLX_FUSED_MAX_LEN) == "mlx"
+    assert fast_kernel_for(128, True, False, MLX_FUSED_MAX_LEN - 5) == "mlx"
+    assert fast_kernel_for(128, True, False, MLX_FUSED_MAX_LEN + 1) == "flash"
+    assert fast_kernel_for(128, True, False, 4 * MLX_FUSED_MAX_LEN) == "flash"
+    assert fast_kernel_for(128, True, True, 1024) == "flash"
+    assert fast_kernel_for(96, True, False, 4 * MLX_FUSED_MAX_LEN) is None
+    assert fast_kernel_for(128, False, False, 1024) is None
+
+
 def test_cost_model_charges_the_fast_kernels():
     """Planning for CUDA (fast_kernels): causal head-dim-128 layers run MLX's kernel, Gemma's
     head dims and windows the flash kernel, and neither keeps [L, L] scores: an untiled plan's
@@ -127,6 +141,8 @@ def test_cost_model_charges_the_fast_kernels():
     llama, e4b = _geometry("llama-3.1-8b"), _geometry("e4b")
     cuda = dict(fast_kernels=True, coef=Coefficients(activation=1.6))
     assert {CostModel(llama, 8192, 1, **cuda).kernel(g) for g in llama.layers} == {"mlx"}
+    # past MLX's fused length its backward scores every key: the flash kernel takes over
+    assert {CostModel(llama, 32768 + 1, 1, **cuda).kernel(g) for g in llama.layers} == {"flash"}
     assert {CostModel(e4b, 8192, 1, **cuda).kernel(g) for g in e4b.layers} == {"flash"}
     assert {CostModel(e4b, 8192, 1, fast_kernels=False).kernel(g) for g in e4b.layers} \
         == {"composed"}

@@ -392,16 +392,20 @@ def chunked_sdpa(
 
 # MLX's fused VJP on CUDA runs only for query lengths that are a multiple of its tile.
 MLX_FUSED_TILE = 128
+# Past this many keys MLX's CUDA backward leaves its fused kernel and scores every key.
+MLX_FUSED_MAX_LEN = 32768
 
 
-def fast_kernel_for(head_dim: int, half: bool, masked: bool) -> str | None:
+def fast_kernel_for(head_dim: int, half: bool, masked: bool, length: int) -> str | None:
     """The O(L) fused kernel a layer runs on CUDA: "mlx" where MLX's own attention runs fused
-    in both directions (cuDNN: causal, head dims up to 128 in multiples of 8, 16-bit), "flash"
-    (segback's) for the rest it handles, None where neither does. `masked`: a window or packed
-    examples. The engine (`fused_kernel`) and the planner (`CostModel.kernel`) both ask this."""
+    in both directions (cuDNN: causal, head dims up to 128 in multiples of 8, 16-bit, up to
+    MLX_FUSED_MAX_LEN keys), "flash" (segback's) for the rest it handles, None where neither
+    does. `masked`: a window or packed examples; `length`: keys per call. The engine
+    (`fused_kernel`) and the planner (`CostModel.kernel`) both ask this."""
     if not half:
         return None
-    if not masked and head_dim <= 128 and head_dim % 8 == 0:
+    if (not masked and head_dim <= 128 and head_dim % 8 == 0
+            and length + (-length % MLX_FUSED_TILE) <= MLX_FUSED_MAX_LEN):
         return "mlx"
     return "flash" if head_dim in flash.HEAD_DIMS else None
 
@@ -412,8 +416,9 @@ def mlx_fused_covers(queries: mx.array, keys: mx.array, window: int | None,
     what it does not cover it runs composed, scoring every key into [L, L] arrays."""
     D = queries.shape[-1]
     half = queries.dtype in (mx.bfloat16, mx.float16)
+    masked = window is not None or blocks is not None
     return (flash.available() and keys.shape[-1] == D and queries.shape[2] == keys.shape[2]
-            and fast_kernel_for(D, half, window is not None or blocks is not None) == "mlx")
+            and fast_kernel_for(D, half, masked, keys.shape[2]) == "mlx")
 
 
 def fused_kernel(queries: mx.array, keys: mx.array, window: int | None = None,

@@ -240,7 +240,8 @@ class CostModel:
 
         if not self.fast_kernels:
             return None
-        return fast_kernel_for(g.head_dim, self.g.dtype_bytes == 2, self.window(g) is not None)
+        return fast_kernel_for(g.head_dim, self.g.dtype_bytes == 2, self.window(g) is not None,
+                               self.L)
 
     def _attention(self, g: LayerGeom) -> tuple[float, float]:
         """(kept until the layer's backward, transient during it) for one layer, in bytes."""
