@@ -27,8 +27,8 @@ import sys
 
 from snakemake.utils import min_version
 
-from segback import workflow_lock
-from segback.config_check import ConfigError, check_config
+from segback.experiment import workflow_lock
+from segback.experiment.config_check import ConfigError, check_config
 
 min_version("9.0")
 

@@ -23,10 +23,10 @@ import time
 
 import mlx.core as mx
 
-from segback.bench import append_rows, with_provenance
+from segback.benchmark.cli import append_rows, with_provenance
 from segback.engine import options as engine_options
 from segback.engine.memory import memory_stats
-from segback.ops_per_buffer import limit_ops_per_buffer
+from segback.backend.ops_per_buffer import limit_ops_per_buffer
 from segback.planner.cli import SEARCHED
 from segback.planner.measure import parse_measure
 

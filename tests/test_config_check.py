@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from segback.config_check import ConfigError, check_config
+from segback.experiment.config_check import ConfigError, check_config
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.json"

@@ -18,7 +18,7 @@ from mlx_lm.tuner import datasets as mlx_data
 from mlx_lm.utils import load_tokenizer
 from test_adapters import make_tokenizer
 
-from segback.data import (
+from segback.data.sources import (
     DataError,
     DataFormat,
     collate,
@@ -26,7 +26,7 @@ from segback.data import (
     load_dataset,
     validation_batches,
 )
-from segback.tokens import normalize_bos
+from segback.data.tokens import normalize_bos
 from segback.models.gguf import family_template
 
 # Gemma 3's chat template (google/gemma-3-*-it), text part.

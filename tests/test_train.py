@@ -16,7 +16,7 @@ from mlx_lm.utils import load_tokenizer
 from test_adapters import WORDS, make_model_dir, make_tokenizer
 
 from segback.trainer import TrainConfig, TrainingDiverged, cli, loop
-from segback.data import (
+from segback.data.sources import (
     ByteTokenizer,
     DataError,
     batch_at,
@@ -27,7 +27,7 @@ from segback.data import (
     load_dataset,
 )
 from segback.models.geometry import build_model
-from segback.tokens import encode_chat
+from segback.data.tokens import encode_chat
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

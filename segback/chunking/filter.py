@@ -34,7 +34,7 @@ def filter_cases(cases: list[dict], tokenizer: Any, max_tokens: int
     """(kept training rows, report) for cases of at most `max_tokens` tokens."""
     from tqdm import tqdm
 
-    from segback.tokens import encode_example
+    from segback.data.tokens import encode_example
 
     kept, all_lengths = [], []
     for case in tqdm(cases, desc="count tokens", file=sys.stderr, leave=False):

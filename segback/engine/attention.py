@@ -19,7 +19,7 @@ O(chunk x (chunk + window)) (sliding), and a sliding layer does O(L x window) wo
   sliding windows, packed examples); elsewhere mlx-lm's own path.
 - On CUDA, buffers live until the CUDA graph that used them has run, and mlx batches 20 ops per
   graph by default: several chunks' scores stay alive at once. `MLX_MAX_OPS_PER_BUFFER=4` (set
-  before mlx starts; segback's CLI sets it on CUDA, `segback/ops_per_buffer.py`) or
+  before mlx starts; segback's CLI sets it on CUDA, `segback/backend/ops_per_buffer.py`) or
   `mx.set_memory_limit` bound that; see bench/attention_bench.py.
 """
 

@@ -75,9 +75,9 @@ def torn_weights(path: Path) -> tuple[Path, str] | None:
 
 
 def _mount(model: nn.Module, adapter_path: str | Path) -> None:
-    """segback.adapters.mount (mlx-lm's layers and weights, after checking the adapter: NaN or
+    """`adapters.mount` (mlx-lm's layers and weights, after checking the adapter: NaN or
     mismatched weights raise AdapterError), in eval mode as mlx_lm.load leaves it."""
-    from segback.adapters import mount
+    from segback.models.adapters import mount
 
     mount(model, adapter_path)
     model.eval()

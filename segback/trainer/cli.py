@@ -23,7 +23,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from segback.data import ByteTokenizer, DataError
+from segback.data.sources import ByteTokenizer, DataError
 from segback.engine import EngineOptions, OptionsError, Plan, PlanError, segments_of
 from segback.engine.options import parse_value
 from segback.io import atomic_write_json
@@ -99,7 +99,7 @@ def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
         result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg, grad_fn,
                             training_callback=callback, world=world)
     elif (Path(cfg.adapter_path) / "adapter_config.json").exists():
-        from segback.adapters import mount
+        from segback.models.adapters import mount
 
         mount(model, cfg.adapter_path)
     else:
@@ -169,7 +169,7 @@ def attach(model: nn.Module, cfg: TrainConfig) -> None:
     --resume-adapter-file."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from segback.adapters import adapter_modules
+    from segback.models.adapters import adapter_modules
 
     if adapter_modules(model):
         raise ValueError("the model already has LoRA layers; pass a base model")
@@ -217,7 +217,7 @@ def load_adapter_file(model: nn.Module, path: str) -> None:
 def warn_other_base(model: nn.Module, config_file: Path, path: str) -> None:
     """Warn when the adapter_config.json beside --resume-adapter-file says it was trained on
     another base model (shapes alone cannot tell: a same-geometry model fits them)."""
-    from segback.adapters import base_fingerprint
+    from segback.models.adapters import base_fingerprint
 
     try:
         saved = json.loads(config_file.read_text()).get("base_model_sha256")
@@ -305,7 +305,7 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = No
 
 def check_context(cfg: TrainConfig, plan: Plan) -> None:
     """--context-parallel's limits, the same on every rank (so every rank stops)."""
-    from segback.data import PAD_TO
+    from segback.data.sources import PAD_TO
 
     R = cfg.context_parallel
     if plan.engine.tile or cfg.pack:

@@ -567,7 +567,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: a config file is a mapping of option names to values")
     if path.suffix != ".json":
-        from segback.config_check import duplicate_keys
+        from segback.experiment.config_check import duplicate_keys
 
         twice = duplicate_keys(path)
         if twice:

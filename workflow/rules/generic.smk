@@ -243,7 +243,7 @@ def generic_score_flags(wildcards, input):
 rule summarize:
     input:
         stamps=lambda w: stamp_files(w.model, w.seq if "seq" in w.keys() else None),
-        schema=os.path.join(workflow.basedir, "segback/generic_result.schema.json"),
+        schema=os.path.join(workflow.basedir, "segback/experiment/generic_result.schema.json"),
         baseline=RUN + "/baseline/eval.json",
         finetuned=lambda w: f"{run_dir(w.model)}/seq{wildcard_tag(w)}/finetuned/eval.json",
         scores=generic_scores,

@@ -58,7 +58,7 @@ if not GENERIC:
     rule summarize:
         input:
             stamps=lambda w: stamp_files(w.model, w.seq if "seq" in w.keys() else None),
-            schema=os.path.join(workflow.basedir, "segback/result.schema.json"),
+            schema=os.path.join(workflow.basedir, "segback/experiment/result.schema.json"),
             baseline="results/{model}/baseline/score.json",
             finetuned=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/finetuned/score.json",
             adapter=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/adapter",

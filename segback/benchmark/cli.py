@@ -6,7 +6,7 @@ JSON line: peak GB, resting GB, seconds per step (median after a warm-up step), 
 first step's loss (equal across modes) — or the error if the mode crashed.
 
 `--pack N` compares packing: B x N random examples of (seq + 1) // N tokens, packed N to a row
-(block-diagonal attention, `segback.packing`) in the segmented mode, and as B x N rows of their
+(block-diagonal attention, `segback.data.packing`) in the segmented mode, and as B x N rows of their
 own in the mlx-lm modes; the loss is the same. Rows get `pack`, `example_tokens` and `packed`;
 tokens_per_s counts the examples' input tokens as rows of their own (B x N x (tokens - 1)).
 
@@ -46,8 +46,8 @@ from pathlib import Path
 from segback.engine import options as engine_options
 from segback.planner.cli import SEARCHED
 from segback.planner.measure import parse_measure
-from segback.ops_per_buffer import CUDA_DEFAULT, limit_ops_per_buffer
-from segback.ops_per_buffer import ENV as OPS_ENV
+from segback.backend.ops_per_buffer import CUDA_DEFAULT, limit_ops_per_buffer
+from segback.backend.ops_per_buffer import ENV as OPS_ENV
 
 MODES = ("full", "ckpt", "segmented")
 
@@ -267,7 +267,7 @@ def bench_batch(B: int, L: int, vocab: int, prompt_frac: float, pack: int | None
     if not pack:
         return (mx.random.randint(0, vocab, (B, L + 1)),
                 mx.array([[int(prompt_frac * L), L]] * B))
-    from segback.packing import collate_packed
+    from segback.data.packing import collate_packed
 
     n = (L + 1) // pack
     if n < 2:

@@ -12,7 +12,8 @@ Sources (`load_dataset`), as mlx-lm's `tuner.datasets.load_dataset` takes them:
 Rows are chat (`messages`, optional `tools`), completions (`prompt`/`completion`) or text
 (`text`), field names configurable (`DataFormat`). Each becomes (ids, offset) exactly as mlx-lm's
 ChatDataset / CompletionsDataset / TextDataset `.process()` makes it, up to the `<bos>` rule in
-`segback.tokens`; only tokens from `offset` on count in the loss. Differences, each for a reason:
+`segback.data.tokens`; only tokens from `offset` on count in the loss. Differences, each for a
+reason:
 - rows mlx-lm would train on silently wrong (`"content": null`, `"prompt": null` -> "None") or
   crash on are refused with a DataError naming file:line and what to do;
 - `mask_prompt` is on by default (mlx-lm: off); with it on, text rows still count whole (mlx-lm
@@ -43,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from segback.tokens import encode_example, encode_text
+from segback.data.tokens import encode_example, encode_text
 
 PAD_TO = 32  # batch widths are 1 + a multiple of this, as in mlx-lm
 SPLITS = ("train", "valid", "test")
