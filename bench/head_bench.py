@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from segback.benchmark.cli import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine.head import DEFAULT_MAX_ELEMENTS, head_vjp
 from segback.engine.stack import get_stack
 from segback.models.geometry import build_model

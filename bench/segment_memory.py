@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    from segback.benchmark.cli import append_rows, with_provenance
+    from segback.benchmark.provenance import append_rows, with_provenance
     from segback.models.dequant_linear import use_dequantized_matmul
     from segback.models.geometry import build_model, geometry_config
     from segback.planner.calibrate import _attention_mode, measure_segment

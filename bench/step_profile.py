@@ -23,7 +23,7 @@ import time
 
 import mlx.core as mx
 
-from segback.benchmark.cli import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import options as engine_options
 from segback.engine.memory import memory_stats
 from segback.backend.ops_per_buffer import limit_ops_per_buffer

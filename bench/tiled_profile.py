@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from segback.benchmark.cli import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import EngineOptions, offload, tiled
 from segback.engine import options as engine_options
 from segback.engine.attention import use_attention

@@ -2,7 +2,7 @@
 
 import pytest
 
-from segback.benchmark.cli import throughput
+from segback.benchmark.worker import throughput
 from segback.engine import EngineOptions, Plan
 from segback.models.geometry import GEOMETRIES
 from segback.planner.flops import matmul_peak, mean_keys, step_flops

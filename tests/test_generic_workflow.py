@@ -323,7 +323,7 @@ def test_carving_is_seeded_and_disjoint():
     assert sorted(a["train"] + a["valid"] + a["test"]) == list(range(20))
     assert carve(20, True, True, 0.1, 0.2, seed=1, source="x") != a
     assert len(carve(3, True, True, 0.1, 0.1, 0, "x")["train"]) == 1  # at least one each
-    from segback.data.sources import DataError
+    from segback.data.dataset import DataError
 
     with pytest.raises(DataError, match="cannot spare"):
         carve(2, True, True, 0.1, 0.1, 0, "x")
@@ -362,7 +362,9 @@ def test_evaluate_is_the_token_weighted_default_loss(tmp_path):
     import mlx.core as mx
     from mlx_lm.tuner.trainer import default_loss
 
-    from segback.data.sources import ByteTokenizer, DataFormat, collate, encode_rows
+    from segback.data.dataset import collate
+    from segback.data.formats import DataFormat, encode_rows
+    from segback.data.tokens import ByteTokenizer
     from segback.models.load import load
 
     rows = [json.loads(x) for x in (DATA / "test.jsonl").open()]

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.trainer import default_loss
 from test_engine import TOL, assert_as_exact_as_mlx_lm, assert_close, lora_model
 
-from segback.data.sources import TokenDataset, batch_at, collate
+from segback.data.dataset import batch_at, collate, TokenDataset
 from segback.engine import Packed, value_and_grad
 from segback.data.packing import collate_packed, pack_dataset, pack_rows
 
@@ -167,7 +167,7 @@ def test_train_pack_counts_tokens_and_equals_mlx_lm(tmp_path):
     row's examples unpacked; a tiled plan is refused."""
     from test_train import chat_rows, read_log, small_cfg
 
-    from segback.data.sources import ByteTokenizer
+    from segback.data.tokens import ByteTokenizer
     from segback.models.geometry import build_model
     from segback.trainer import cli, loop
     from segback.trainer.config import ConfigError

@@ -15,7 +15,8 @@ from test_adapters import INPUT
 from test_train import chat_rows, model_dir, write_jsonl  # noqa: F401
 
 from segback.models.adapters import mount
-from segback.data.sources import ByteTokenizer, encode_rows
+from segback.data.formats import encode_rows
+from segback.data.tokens import ByteTokenizer
 from segback.models.load import load
 from segback.trainer import TrainConfig, cli
 

@@ -23,7 +23,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from segback.data.sources import ByteTokenizer, DataError
+from segback.data.dataset import DataError
+from segback.data.tokens import ByteTokenizer
 from segback.engine import EngineOptions, OptionsError, Plan, PlanError, segments_of
 from segback.engine.options import parse_value
 from segback.io import atomic_write_json
@@ -305,7 +306,7 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = No
 
 def check_context(cfg: TrainConfig, plan: Plan) -> None:
     """--context-parallel's limits, the same on every rank (so every rank stops)."""
-    from segback.data.sources import PAD_TO
+    from segback.data.dataset import PAD_TO
 
     R = cfg.context_parallel
     if plan.engine.tile or cfg.pack:

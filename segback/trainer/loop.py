@@ -30,14 +30,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from segback.data.sources import (
-    DataError,
-    DataFormat,
-    TokenDataset,
-    encode_rows,
-    load_dataset,
-    validation_batches,
-)
+from segback.data.dataset import DataError, TokenDataset, validation_batches
+from segback.data.formats import DataFormat, encode_rows
+from segback.data.sources import load_dataset
 from segback.engine import memory_stats, reset_peak
 from segback.engine.packing import input_tokens as count_input_tokens
 from segback.data.packing import PackedDataset, pack_dataset
