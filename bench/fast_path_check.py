@@ -24,7 +24,7 @@ from segback.benchmark.provenance import append_rows, with_provenance
 from segback.benchmark.worker import bench_batch
 from segback.engine import EngineOptions, memory_stats, reset_peak, value_and_grad
 from segback.models.dequant_linear import use_dequantized_matmul
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 from segback.planner.cost import CostModel
 from segback.planner.geometry import read_geometry
 

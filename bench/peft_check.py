@@ -22,7 +22,7 @@ from mlx_lm.utils import save_config, save_model
 from segback.models.adapters import adapter_config, save_adapter
 from segback.benchmark.provenance import append_rows, with_provenance
 from segback.models.export import export_peft
-from segback.models.geometry import build_model, geometry_config
+from segback.models.random_init import build_model, geometry_config
 
 NEEDS = ("torch", "transformers", "peft")
 

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from segback.engine import reset_peak
     from segback.models.dequant_linear import use_dequantized_matmul
-    from segback.models.geometry import build_model
+    from segback.models.random_init import build_model
     from segback.planner import plan_segments
 
     gpu = mx.default_device() == mx.gpu

@@ -30,7 +30,7 @@ from segback.engine import options as engine_options
 from segback.engine.attention import use_attention
 from segback.engine.segmented import _split_trainable
 from segback.engine.stack import binder, get_stack
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 
 SWEPT = ("attention", "tile", "tiles_in_flight", "head_chunk")
 

@@ -14,7 +14,7 @@ from mlx_lm.utils import load_model, save_config, save_model
 
 from segback.models.adapters import adapter_config, adapter_weights, mount, save_adapter, unmount
 from segback.models.export import export, hf_module_path, to_peft
-from segback.models.geometry import build_model, geometry_config, wrap_multimodal
+from segback.models.random_init import build_model, geometry_config, wrap_multimodal
 
 WORDS = ("alpha beta gamma delta eps zeta eta theta iota kappa lambda mu repeat "
          "User Assistant System : , .").split()

@@ -32,7 +32,7 @@ from segback.models.adapters import (
     save_safetensors_atomic,
 )
 from segback.models import prepare as prep
-from segback.models.geometry import build_model, geometry_config
+from segback.models.random_init import build_model, geometry_config
 from segback.models.load import load
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from test_train import chat_rows, parse, read_log, write_jsonl
 from segback.engine.ring_attention import RingError, shard_positions
 from segback.trainer import cli
 from segback.trainer.cli import check_context
-from segback.trainer.config import ConfigError, TrainConfig
+from segback.trainer.config import TrainConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -154,10 +154,10 @@ def test_more_pieces_than_tokens_is_refused():
     with pytest.raises(RingError, match="cannot be split into 8 non-empty zig-zag"):
         shard_positions(7, 4, "zigzag")
     assert [len(p) for p in shard_positions(7, 4, "contiguous").positions] == [2, 2, 2, 1]
-    from segback.engine.plan import Plan
+    from segback.engine.plan_file import Plan
 
     cfg = TrainConfig(model="tiny-llama", data="x", max_seq_length=16, context_parallel=8)
-    with pytest.raises(ConfigError, match="16 pieces, more than the 15 tokens"):
+    with pytest.raises(TrainConfigError, match="16 pieces, more than the 15 tokens"):
         check_context(cfg, Plan(segments=[(0, 4)]))
 
 

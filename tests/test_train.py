@@ -20,7 +20,7 @@ from segback.data.dataset import batch_at, batch_groups, collate, DataError, epo
 from segback.data.formats import encode_rows
 from segback.data.sources import load_dataset
 from segback.data.tokens import ByteTokenizer
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 from segback.data.tokens import encode_chat
 
 

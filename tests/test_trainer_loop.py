@@ -17,7 +17,7 @@ from test_train import write_jsonl
 from segback.data.dataset import batch_at
 from segback.data.tokens import ByteTokenizer
 from segback.engine import value_and_grad
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 from segback.trainer import TrainConfig, cli, loop
 from segback.trainer.config import OPTIMIZERS
 

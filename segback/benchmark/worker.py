@@ -28,7 +28,7 @@ from segback.engine import options as engine_options
 from segback.engine.head import loss_mask
 from segback.engine.host_table import park_tables, parked_bytes
 from segback.models.dequant_linear import use_dequantized_matmul
-from segback.models.geometry import GEOMETRIES, build_model
+from segback.models.random_init import GEOMETRIES, build_model
 from segback.models.load import load
 from segback.planner import plan_segments
 from segback.planner.cli import SEARCHED

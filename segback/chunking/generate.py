@@ -133,7 +133,7 @@ def is_chunking_case(row: dict) -> bool:
 
 def row_request(tokenizer: Any, row: Any, index: int) -> Request:
     """The prompt of a data row (any of the formats in the module docstring)."""
-    from segback.data.tokens import _with_bos, encode_chat
+    from segback.data.tokens import encode_chat, with_bos as _with_bos
 
     if not isinstance(row, dict):
         raise ValueError(f"row {index + 1}: not a JSON object")

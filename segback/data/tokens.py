@@ -53,8 +53,8 @@ def normalize_bos(tokenizer: Any, ids: list[int]) -> tuple[list[int], int]:
     return (ids, 0) if ids and ids[0] == bos else ([bos, *ids], 1)
 
 
-def _with_bos(tokenizer: Any, ids: list[int]) -> list[int]:
-    """`normalize_bos` without the shift (kept for callers of the old name)."""
+def with_bos(tokenizer: Any, ids: list[int]) -> list[int]:
+    """`ids` with the tokenizer's `<bos>` exactly once (`normalize_bos`, offsets not needed)."""
     return normalize_bos(tokenizer, ids)[0]
 
 
@@ -149,7 +149,8 @@ def encode_example(tokenizer: Any, messages: list[dict], tools: list | None = No
 class ByteTokenizer:
     """UTF-8 bytes as token ids, EOS = 0: lets random-geometry models (vocab >= 256) train.
 
-    Only for smoke runs and benchmarks on `segback.models.geometry` models, which ship no tokenizer.
+    Only for smoke runs and benchmarks on `segback.models.random_init` models, which ship no
+    tokenizer.
     """
 
     eos_token_id = 0

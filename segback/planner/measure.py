@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from segback.engine.plan import Plan
+from segback.engine.plan_file import Plan
 from segback.planner.calibrate import _attach_lora
 from segback.planner.geometry import GB
 from segback.planner.search import MARGIN, within  # noqa: F401 (MARGIN: also measure's)

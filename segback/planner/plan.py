@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from segback.engine.options import EngineOptions
-from segback.engine.plan import Plan, segments_of
+from segback.engine.plan_file import Plan, segments_of
 from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
@@ -45,8 +45,9 @@ def plan_segments(
 ) -> Plan:
     """Plan the segments of a segmented backward and the engine options that run them.
 
-    `model_or_config` is an mlx-lm model, a config dict, a geometry name (segback.models.geometry)
-    or an MLX checkpoint directory; the last three are read lazily, nothing is materialized.
+    `model_or_config` is an mlx-lm model, a config dict, a geometry name
+    (segback.models.random_init) or an MLX checkpoint directory; the last three are read lazily,
+    nothing is materialized.
     `quant_bits` quantizes a config/geometry (a model or checkpoint carries its own bits);
     calibrating a config/geometry builds it with random weights.
     `coefficients` reuses an earlier calibration (a plan's `inputs.calibration`); `segments`
@@ -89,7 +90,7 @@ def plan_segments(
         model_or_config, _ = load(model_or_config, dtype=dtype)
         model_or_config.freeze()
     if (calibrate or measure) and _is_lazy_random(model_or_config):  # needs real weights
-        from segback.models.geometry import build_model, geometry_config
+        from segback.models.random_init import build_model, geometry_config
 
         if dtype is None:  # bfloat16 matmuls are slow on CPU
             dtype = "bfloat16" if mx.default_device() == mx.gpu else "float32"
