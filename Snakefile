@@ -1,5 +1,5 @@
 # segback: the conversation-chunking fine-tuning experiment as a Snakemake workflow, or the same
-# DAG on your own data (`task: generic`, README "Your own data").
+# DAG on your own data (`task: generic`, docs/workflow.md "Your own data").
 #
 #   snakemake --cores 1 --configfile config/config.yaml results/gemma3_chunk_score.json
 #   snakemake --cores 1 --configfile config/config.yaml --report results/report.html
@@ -19,21 +19,20 @@
 # Sweeps: `model`, `seq` and `train.lora_rank` may be lists; the DAG then has one branch per
 # combination (shared stages run once) and `all` targets results/sweep_summary.json (.md, .html),
 # one row per branch. Paths and targets of a config without lists are unchanged
-# (workflow/rules/common.smk, README "Sweeps").
+# (workflow/rules/common.smk, docs/workflow.md "Sweeps").
 
 import os
-import re
 import sys
 
 from snakemake.utils import min_version
 
 from segback.experiment import workflow_lock
-from segback.experiment.config_check import ConfigError, check_config
+from segback.experiment.config_check import ConfigError, checked_configfile, prepare_config
 
 min_version("9.0")
 
 # A lock left by a Snakemake that was killed (kill -9, power loss) is freed, so the same
-# command also goes on after those (segback/workflow_lock.py); a live one's is kept.
+# command also goes on after those (segback/experiment/workflow_lock.py); a live one's is kept.
 if workflow.is_main_process:
     _stale = workflow_lock.clear_stale()
     if _stale:
@@ -52,73 +51,20 @@ onerror:
     workflow_lock.release()
 
 
-configfile: "config/config.yaml"
+# The default config, read only after segback has checked it is YAML (a syntax error names the
+# file and line; `--configfile` files are read by Snakemake before this file runs: `make run`
+# checks them first with `python -m segback.experiment.config_check`).
+configfile: checked_configfile("config/config.yaml")
 
 
-# `--config seq=[1024,2048]` reads list items as strings (Snakemake parses --config values with
-# YAML's base loader): make integer-looking ones integers before the schema check.
-for _key in ("seq",):
-    if isinstance(config.get(_key), list):
-        config[_key] = [int(v) if isinstance(v, str) and v.isdigit() else v for v in config[_key]]
-
-
-def _dataset_value(key, value):
-    """A `dataset` value as --config gives it (a string) in the schema's type."""
-    if not isinstance(value, str):
-        return value
-    if key == "mask_prompt" and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if key == "scorer" and value.lower() in ("null", "none", ""):
-        return None
-    if key == "seed" and value.lstrip("-").isdigit():
-        return int(value)
-    if key in ("valid_fraction", "test_fraction"):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-# `dataset: my.jsonl` (or `--config dataset=my.jsonl`) is short for {path: ...} when the path
-# exists, else for {hf: ...} (a Hugging Face dataset name), as `segback train --data` reads it.
-if isinstance(config.get("dataset"), str):
-    _ds = config["dataset"]
-    config["dataset"] = {"path": _ds} if os.path.exists(os.path.expanduser(_ds)) else {"hf": _ds}
-if isinstance(config.get("dataset"), dict):
-    config["dataset"] = {k: _dataset_value(k, v) for k, v in config["dataset"].items()}
-
-
+# `--config` strings in the schema's types, the `dataset` shorthand, the schema and every check
+# a schema cannot make (segback/experiment/config_check.py): one paragraph naming each key, no
+# traceback.
 try:
-    check_config(config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.json"),
-                 workflow.configfiles)
-except ConfigError as e:  # one paragraph, no traceback
+    prepare_config(config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.json"),
+                   workflow.configfiles)
+except ConfigError as e:
     sys.exit(str(e))
-
-
-def _check_dataset(dataset):
-    """What the schema cannot say about `dataset` (task: generic), one line each."""
-    problems = []
-    if ("path" in dataset) == ("hf" in dataset):
-        problems.append("`dataset`: give `path` (a local directory or data file) or `hf` (a "
-                        "Hugging Face dataset name), " + ("not both" if "path" in dataset
-                                                         else "one of them"))
-    path = dataset.get("path")
-    if path is not None and not os.path.exists(os.path.expanduser(path)):
-        problems.append(f"`dataset.path`: {path} not found (a relative path is relative to the "
-                        f"working directory, {os.getcwd()})")
-    name = dataset.get("name", "generic")
-    if name in ("model", "data", "baseline", "config", "logs", "benchmarks") or re.match(
-            r"seq\d", name):
-        problems.append(f"`dataset.name`: {name!r} is a folder name of results/{{model}}/; "
-                        "choose another")
-    if problems:
-        sys.exit("config: the workflow cannot run with this config; fix these keys "
-                 "(config/config.yaml documents each):\n  " + "\n  ".join(problems))
-
-
-if config.get("task") == "generic":
-    _check_dataset(config["dataset"])
 
 
 report: "workflow/report/workflow.rst"

@@ -6,8 +6,9 @@ One JSON line per (L, mask, path). Paths:
            else mlx-lm's own path); the row's `kernel` says which ran
   mlx      mx.fast.scaled_dot_product_attention with the mask mlx-lm passes ("causal", or a
            boolean window mask): whether MLX itself runs the case fused shows in its peak
-  flash    segback's flash kernel (CUDA only); flash-plain: its B operands through 16-bit
-           shared loads instead of ldmatrix
+  flash    segback's flash kernel (CUDA only), once per `--flash-variant` (v1: the measured
+           kernels, v2: cp.async-pipelined; the row's `variant`); flash-plain: v1 with its B
+           operands through 16-bit shared loads instead of ldmatrix
   chunked  segback's chunked kernel of MLX ops
 Peak is measured above the resting inputs. FLOPs: the causal (or windowed) forward's
 4·H·D·keys·L·B, times 3.5 for forward + backward (dQ, dK, dV, dP); `hw_fraction` is the rate
@@ -17,6 +18,11 @@ inputs upcast): `err_*` = max |x - ref| / max |ref|.
 
     python bench/attention_bench.py --device gpu --dtype bfloat16 --heads 8 --kv-heads 2 \
         --head-dim 256 --windows 0 512 --lengths 8192 32768 --paths fused chunked
+
+    # v1 against v2 of the flash kernels, time and exactness, one process:
+    python bench/attention_bench.py --device gpu --dtype bfloat16 --heads 8 --kv-heads 2 \
+        --head-dim 256 --windows 0 512 --lengths 8192 32768 --paths flash chunked \
+        --flash-variant v1 v2 --check-max-len 8192
 """
 
 from __future__ import annotations
@@ -47,14 +53,15 @@ def _packed_ids(B: int, L: int, example: int):
     return np.broadcast_to(np.arange(L) // example, (B, L)).astype(np.int32)
 
 
-def attention_fn(path: str, scale: float, window: int | None, blocks, chunk: int | None):
+def attention_fn(path: str, scale: float, window: int | None, blocks, chunk: int | None,
+                 variant: str = "v1"):
     def fn(q, k, v):
         if path == "fused":
             spec = MaskSpec("causal" if window is None else "sliding", window, blocks=blocks)
             return fused_sdpa(q, k, v, scale, spec)
         if path in ("flash", "flash-plain"):
             return flash.flash_attention(q, k, v, scale, window, blocks,
-                                         ldsm=path == "flash")
+                                         ldsm=path == "flash", variant=variant)
         if path == "mlx":
             if blocks is not None:
                 mask = blocks.dense(window)
@@ -79,7 +86,7 @@ def _errors(fn, q, k, v, ct, scale, window, blocks) -> dict:
     return out
 
 
-def measure(path: str, L: int, window: int | None, args) -> dict:
+def measure(path: str, L: int, window: int | None, args, variant: str = "v1") -> dict:
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
     dtype = getattr(mx, args.dtype)
     mx.random.seed(0)
@@ -91,14 +98,15 @@ def measure(path: str, L: int, window: int | None, args) -> dict:
     scale = D**-0.5
     blocks = Blocks(_packed_ids(B, L, args.packed)) if args.packed else None
     chunk = args.chunk or default_chunk_size(B, H, L, L, window)
-    fn = attention_fn(path, scale, window, blocks, chunk)
+    fn = attention_fn(path, scale, window, blocks, chunk, variant)
     kernel = {"fused": fused_kernel(q, k, window, blocks), "flash": "flash", "mlx": "mlx",
               "flash-plain": "flash", "chunked": "chunked"}[path]
 
     row = dict(path=path, kernel=kernel, L=L, mask="causal" if window is None else
                f"window={window}", packed=args.packed, B=B, H=H, Hkv=Hkv, D=D,
                dtype=args.dtype, device=str(mx.default_device()),
-               chunk=chunk if kernel == "chunked" else None)
+               chunk=chunk if kernel == "chunked" else None,
+               variant=variant if path == "flash" else None)
     try:
         times, peak = [], 0
         for _ in range(args.repeats):
@@ -132,6 +140,8 @@ def main():
     p.add_argument("--windows", type=int, nargs="+", default=[0, 256], help="0 = causal")
     p.add_argument("--paths", nargs="+", default=["fused", "chunked"],
                    choices=["fused", "mlx", "flash", "flash-plain", "chunked"])
+    p.add_argument("--flash-variant", nargs="+", default=["v1"], choices=list(flash.VARIANTS),
+                   help="the flash path's kernels: one row per variant")
     p.add_argument("--packed", type=int, default=0,
                    help="packed rows: examples of this many tokens each (0 = one sequence)")
     p.add_argument("--batch", type=int, default=1)
@@ -155,12 +165,13 @@ def main():
     for L in args.lengths:
         for w in args.windows:
             for path in args.paths:
-                row = measure(path, L, w or None, args)
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    append_rows(args.out, [with_provenance(
-                        row | {"script": "bench/attention_bench.py"}, args.config_name,
-                        args.run)])
+                for variant in args.flash_variant if path == "flash" else ["v1"]:
+                    row = measure(path, L, w or None, args, variant)
+                    print(json.dumps(row), flush=True)
+                    if args.out:
+                        append_rows(args.out, [with_provenance(
+                            row | {"script": "bench/attention_bench.py"}, args.config_name,
+                            args.run)])
 
 
 if __name__ == "__main__":

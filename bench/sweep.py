@@ -281,6 +281,30 @@ CONFIGS += [
             ("bench/head_bench.py", "--model", "llama-3.1-8b", "--seq", "8192", "--dtype",
              "bfloat16", "--bits", "4", "--runs", "3"))),
 ]
+CONFIGS += [
+    Config("flash-variants", "h200",
+           "segback's flash kernels v1 against v2: errors on the shapes where tilings differ "
+           "(every head dim, against dense float32), then time, peak and hw_fraction at e4b's "
+           "heads (head dims 256 / 512, causal and a 512-token window, 8K / 32K)",
+           (("bench/flash_variant_check.py", "--variants", "v1", "v2"),
+            (*ATTN, *E4B_HEADS, "--head-dim", "256", "--windows", "0", "512", "--lengths",
+             "8192", "32768", "--paths", "flash", "--flash-variant", "v1", "v2",
+             "--check-max-len", "8192"),
+            (*ATTN, *E4B_HEADS, "--head-dim", "512", "--windows", "0", "512", "--lengths",
+             "8192", "32768", "--paths", "flash", "--flash-variant", "v1", "v2",
+             "--check-max-len", "8192"))),
+    Config("e4b-defaults-8k", "h200",
+           "e4b at 8K with the defaults at G = 8 (must tile and offload) and G = 16 (room "
+           "for an untiled plan)",
+           (_e4b(8192, 2, *DEFAULTS, "--target-gb", "8", timeout=300),
+            _e4b(8192, 2, *DEFAULTS, "--target-gb", "16", timeout=300))),
+    Config("record-llama8b", "h200",
+           "the long-context record (issue 43): Llama-3.1-8B 4-bit LoRA r8, one full step "
+           "with the defaults at G = 72 on one 80 GB card, 128K, 342K (Unsloth's) and 512K",
+           (_llama(131072, 1, *DEFAULTS, "--target-gb", "72", timeout=900),
+            _llama(344064, 0, *DEFAULTS, "--target-gb", "72", timeout=1500),
+            _llama(524288, 0, *DEFAULTS, "--target-gb", "72", timeout=2400))),
+]
 BY_NAME = {c.name: c for c in CONFIGS}
 GROUPS = {
     "h200": [c.name for c in CONFIGS if c.machine == "h200" and not c.name.startswith(
@@ -289,7 +313,7 @@ GROUPS = {
     "h200-eqmem": ["eqmem-2k", "eqmem-8k", "auto-8k-dq", "eqmem-2k-16"],
     "h200-defaults": ["defaults-dq", "defaults-ops", "planner-long"],
     "fast-path": ["attn-kernels", "fast-path-8k", "fast-defaults", "fast-128k", "segment-memory",
-                  "fast-profile", "fast-head"],
+                  "fast-profile", "fast-head", "flash-variants", "e4b-defaults-8k"],
     "cpu": ["cpu-table", "cpu-chunked", "cpu-tiled", "cpu-e4b-slice"],
     "smoke": ["cpu-smoke", "cpu-smoke-tiled"],
 }

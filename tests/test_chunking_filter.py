@@ -107,3 +107,11 @@ def test_case_without_id_is_refused_with_file_and_line(tmp_path, cases):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(SystemExit, match=rf"{path}:2: the case has no id"):
         read_cases(path)
+
+
+def test_min_tokens_drops_short_cases(cases, tokenizer):
+    lengths = sorted(expected_tokens(c) for c in cases)
+    kept, report = chunk_filter.filter_cases(cases, tokenizer, lengths[-1], lengths[1])
+    assert sorted(r["n_tokens"] for r in kept) == lengths[1:]  # the bound is inclusive
+    assert report["min_tokens"] == lengths[1] and report["too_short"] == 1
+    assert "min_tokens" not in chunk_filter.filter_cases(cases, tokenizer, 10**6)[1]

@@ -58,7 +58,7 @@ def test_block_ranges_cover_every_visible_pair(B, H, Hkv, L, D, window, packed):
     blocks = Blocks(seg) if packed else None
     first, last = (blocks.first, blocks.last) if packed else (None, None)
     vis = _dense_visible(L, L, window if window and window < L else None, seg).any(0)
-    for bq, bk in ((64, 64), (64, 32), (32, 128)):
+    for bq, bk in ((64, 64), (64, 32), (32, 128), (128, 64), (128, 32), (32, 32)):
         kr, qr = flash.block_ranges(L, L, window if window and window < L else None, bq, bk,
                                     first, last)
         i, j = np.nonzero(vis)
@@ -144,3 +144,56 @@ def test_cost_model_charges_the_fast_kernels():
         segs = _best_by_count(fused)[8]
         assert fused.relative_step_time(segs) < chunked.relative_step_time(segs)
         assert fused.relative_step_time(segs) >= 1.0
+
+
+# v2's tilings (flash._tiles_v2): forward (rows, keys), dK/dV (keys, rows), dQ (rows, keys).
+V2_TILES = {D: flash._tiles_v2(D) for D in (256, 512)}
+
+
+@pytest.mark.parametrize("D_tiles", [256, 512])
+@pytest.mark.parametrize("B,H,Hkv,L,D,window,packed", CASES)
+def test_v2_tiling_equals_dense_attention(B, H, Hkv, L, D, window, packed, D_tiles):
+    """The blocked algorithm with v2's block sizes (128-row query blocks, dQ tiled unlike
+    dK/dV) still equals dense attention: its block ranges cover every visible pair."""
+    cfg = V2_TILES[D_tiles]
+    mx.random.seed(1)
+    q = mx.random.normal((B, H, L, D))
+    k = mx.random.normal((B, Hkv, L, D))
+    v = mx.random.normal((B, Hkv, L, D))
+    do = mx.random.normal((B, H, L, D))
+    scale = D ** -0.5
+    seg = _segments(B, L, 1) if packed else None
+    blocks = Blocks(seg) if packed else None
+    vis = _dense_visible(L, L, window, seg)
+
+    o, lse = flash.reference_forward(q, k, v, scale, window, blocks, bk=cfg["fwd_bk"],
+                                     bq=cfg["fwd_bq"])
+    want_o, want_lse = _dense(q, k, v, scale, vis)
+    tol = 4 * L * EPS
+    assert mx.abs(o - want_o).max().item() <= tol * mx.abs(v).max().item()
+    assert mx.abs(lse - want_lse).max().item() <= tol * mx.abs(want_lse).max().item()
+
+    got = flash.reference_backward(q, k, v, o, lse, do, scale, window, blocks, bkv=cfg["bkv"],
+                                   bq=cfg["dkdv_bq"], dq_tiles=(cfg["dq_bq"], cfg["dq_bk"]))
+    _, want = mx.vjp(lambda q, k, v: _dense(q, k, v, scale, vis)[0], [q, k, v], [do])
+    for g, w in zip(got, want):
+        assert mx.abs(g - w).max().item() <= 4 * tol * mx.abs(w).max().item()
+
+
+def test_v2_layout_fits_the_device():
+    """Every v2 kernel's shared memory fits Hopper's 227 KB per block, its warps cover its
+    rows (forward / dQ: BQ / 16 row groups x WN column groups), and the 16-byte copies tile
+    each block evenly (what the header's static_asserts demand)."""
+    for D in flash.HEAD_DIMS:
+        cfg = flash._tiles_v2(D)
+        for kind in ("forward_v2", "dq_v2", "dkdv_v2"):
+            assert flash.smem_v2(kind, D) <= 227 * 1024
+            threads = flash.threads_v2(kind, D)
+            assert threads == 256
+            step = threads // (D // 8)
+            rows = {"forward_v2": (cfg["fwd_bq"], cfg["fwd_bk"]),
+                    "dq_v2": (cfg["dq_bq"], cfg["dq_bk"]),
+                    "dkdv_v2": (cfg["bkv"], cfg["dkdv_bq"])}[kind]
+            assert all(r % step == 0 for r in rows)
+        assert (cfg["fwd_bk"] // cfg["fwd_wn"]) % 16 == 0
+        assert (cfg["dq_bk"] // cfg["dq_wn"]) % 16 == 0

@@ -1,8 +1,10 @@
-"""Keep the cases whose full training example fits in `--max-tokens` of the model's tokenizer.
+"""Keep the cases whose full training example fits in `--max-tokens` of the model's tokenizer
+(and, with `--min-tokens`, is at least that long: the long-conversation variant keeps only
+conversations that need long context).
 
 Kept rows are ready for mlx-lm-style chat training: `messages` is [user prompt, assistant gold
 JSON] (`prompt.chat_rows`), so the case's own chat moves to `transcript`. Each row also gets
-`n_tokens` (prompt + completion, as `segback.tokens.encode_example` renders it) and
+`n_tokens` (prompt + completion, as `segback.data.tokens.encode_example` renders it) and
 `prompt_tokens`. Only the tokenizer is loaded, never the weights.
 """
 
@@ -29,9 +31,9 @@ def to_training_row(case: dict, n_tokens: int, prompt_tokens: int) -> dict:
     return row
 
 
-def filter_cases(cases: list[dict], tokenizer: Any, max_tokens: int
+def filter_cases(cases: list[dict], tokenizer: Any, max_tokens: int, min_tokens: int = 0
                  ) -> tuple[list[dict], dict]:
-    """(kept training rows, report) for cases of at most `max_tokens` tokens."""
+    """(kept training rows, report) for cases of `min_tokens` to `max_tokens` tokens."""
     from tqdm import tqdm
 
     from segback.data.tokens import encode_example
@@ -40,7 +42,7 @@ def filter_cases(cases: list[dict], tokenizer: Any, max_tokens: int
     for case in tqdm(cases, desc="count tokens", file=sys.stderr, leave=False):
         ids, prompt_len = encode_example(tokenizer, chat_rows(case))
         all_lengths.append(len(ids))
-        if len(ids) <= max_tokens:
+        if min_tokens <= len(ids) <= max_tokens:
             kept.append(to_training_row(case, len(ids), prompt_len))
     report = {
         "max_tokens": max_tokens,
@@ -50,6 +52,9 @@ def filter_cases(cases: list[dict], tokenizer: Any, max_tokens: int
         "kept_tokens": length_percentiles([r["n_tokens"] for r in kept]),
         "all_tokens": length_percentiles(all_lengths),
     }
+    if min_tokens:
+        report["min_tokens"] = min_tokens
+        report["too_short"] = sum(n < min_tokens for n in all_lengths)
     return kept, report
 
 
@@ -79,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, help="cases JSONL from `segback build-data`")
     parser.add_argument("--max-tokens", type=int, required=True,
                         help="keep cases whose prompt + completion fit in this many tokens")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="and drop those shorter than this many tokens")
     parser.add_argument("--out", required=True, help="kept rows, JSONL")
     parser.add_argument("--report", required=True, help="counts and length percentiles, JSON")
 
@@ -88,15 +95,19 @@ def main(args: argparse.Namespace) -> int:
 
     cases = read_cases(args.data)
     tokenizer = load_tokenizer(Path(args.model))
-    kept, report = filter_cases(cases, tokenizer, args.max_tokens)
+    kept, report = filter_cases(cases, tokenizer, args.max_tokens,
+                                getattr(args, "min_tokens", 0))
     report.update(model=str(args.model), data=str(args.data))
     atomic_write_jsonl(args.out, kept)
     atomic_write_json(args.report, report)
     t = report["all_tokens"]
+    span = f"{report['min_tokens']}-{args.max_tokens}" if report.get("min_tokens") else \
+        f"<= {args.max_tokens}"
     print(f"segback filter-data: kept {report['kept']}/{report['total']} cases of "
-          f"<= {args.max_tokens} tokens (all: p50 {t['p50']}, p90 {t['p90']}, max {t['max']})",
+          f"{span} tokens (all: p50 {t['p50']}, p90 {t['p90']}, max {t['max']})",
           file=sys.stderr)
     if not kept:
-        print("segback filter-data: no case fits; raise --max-tokens", file=sys.stderr)
+        print("segback filter-data: no case fits; raise --max-tokens (or lower --min-tokens)",
+              file=sys.stderr)
         return 1
     return 0

@@ -2,11 +2,14 @@
 
 Every rank of a context-parallel group gets the same whole rows and keeps its shard of them
 (`ring_attention.Shards`): its input tokens, their targets and their loss mask. It runs the
-untiled segmented engine unchanged on that shard, with three stand-ins:
+segmented engine unchanged on that shard (untiled, or tiled with or without offload), with
+three stand-ins:
 
-- attention: every layer's mask is a `RingMask`, so mlx-lm's attention call goes to
-  `ring_sdpa`, which sees the keys of the whole sequence around the ring;
-- positions: each layer's RoPE rotates at the shard's global positions (`ShardRope`);
+- attention: every layer's mask is a `RingMask`, which attends the shard's queries to the keys
+  of the whole sequence around the ring (the untiled engine reaches it through mlx-lm's
+  attention call, `ring_sdpa`; the tiled one calls it per layer);
+- positions: RoPE rotates at the shard's global positions (untiled: `ShardRope`; tiled: each
+  tile's offset is its global position, and no tile crosses two runs of the shard);
 - loss: the head's cotangent is scaled from this shard's mean to the whole rows' mean (tokens
   here / tokens of the rows), so the cotangents that cross ranks inside attention carry one
   normalisation everywhere.
@@ -24,8 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from segback.engine.attention import use_attention
 from segback.engine.head import loss_mask
-from segback.engine.host_table import park_tables
+from segback.engine.host_table import park_tables, parked_bytes
 from segback.engine.options import EngineOptions
 from segback.engine.packing import is_packed
 from segback.engine.ring_attention import (
@@ -36,8 +40,8 @@ from segback.engine.ring_attention import (
     use_ring_attention,
     use_shard_positions,
 )
-from segback.engine.segmented import _value_and_grad, resolve
-from segback.engine.stack import Stack, get_stack
+from segback.engine.segmented import _value_and_grad, _value_and_grad_tiled, resolve
+from segback.engine.stack import Head, Stack, get_stack
 
 
 def scale_cotangent(x: mx.array, factor: float) -> mx.array:
@@ -79,15 +83,18 @@ def local_rows(batch: mx.array, lengths: np.ndarray, shards: Shards, rank: int
     return inputs, shard_batch, np.array(rows, np.int64), int(local.sum()), int(mask.sum())
 
 
-def shard_stack(stack: Stack, inputs: mx.array, ring: Ring, shards: Shards, share: float
-                ) -> Stack:
-    """`stack` on one shard: embeds the shard's inputs, ring masks, head cotangent x share."""
+def shard_stack(stack: Stack, ring: Ring, shards: Shards, share: float) -> Stack:
+    """`stack` on one shard: ring masks, and the head's cotangent times `share`."""
     head = stack.head
-    out = replace(stack, embed=lambda ids: stack.embed(inputs),
-                  head=lambda x: scale_cotangent(head(x), share))
+    if isinstance(head, Head):  # kept apart, so the loss head still fuses its chunks
+        scaled = replace(head, norm=lambda x: head.norm(scale_cotangent(x, share)))
+    else:
+        def scaled(x):
+            return head(scale_cotangent(x, share))
     masks = {"full_attention": RingMask("causal", None, ring, shards)}
     if "sliding_attention" in stack.layer_types:
         masks["sliding_attention"] = RingMask("sliding", stack.window, ring, shards)
+    out = replace(stack, head=scaled)
     out.masks = lambda h, descriptors=False, segments=None: masks
     return out
 
@@ -99,14 +106,16 @@ def value_and_grad(
     ring: Ring,
     plan: Any = None,
     options: EngineOptions | None = None,
+    *,
+    stats: dict | None = None,
     **overrides: Any,
 ) -> tuple[tuple[mx.array, int], dict]:
     """This rank's ((loss share, tokens counted here), gradient share) of the whole rows.
 
     `batch` and `lengths` are the whole rows, the same on every rank of the ring. Summed over
     the ring, loss shares and gradient shares are `engine.value_and_grad`'s loss and grads on
-    them. `plan` (segments or a `Plan` made for the shard's length) and `options` as there;
-    the untiled engine only.
+    them. `plan` (segments or a `Plan` made for the shard's length), `options` and `stats` as
+    there: the untiled engine, or the tiled one (with offload) on the shard.
     """
     if is_packed(lengths):
         raise RingError("context parallelism takes unpacked batches: drop --pack")
@@ -116,16 +125,21 @@ def value_and_grad(
     inputs, local, local_lengths, n, total = local_rows(
         batch, np.array(lengths).reshape(-1, 2), shards, ring.rank)
     segs, opts = resolve(stack, local, plan, options, overrides)
-    if opts.tile:
-        raise RingError("context parallelism runs the untiled segmented engine: drop tile "
-                        "(and offload) from the plan or options")
     if opts.host_table:
         park_tables(model)
     share = n / max(total, 1)
-    sharded = shard_stack(stack, inputs, ring, shards, share)
-    with use_ring_attention([stack.module]), \
-            use_shard_positions(stack.layers, shards.runs(ring.rank)):
-        (loss, _), grads = _value_and_grad(model, sharded, local, mx.array(local_lengths),
-                                           segs, opts, chunked=True)
+    sharded = shard_stack(stack, ring, shards, share)
+    runs = shards.runs(ring.rank)
+    if opts.tile:
+        with use_attention([stack.module]):
+            (loss, _), grads = _value_and_grad_tiled(
+                model, sharded, local, mx.array(local_lengths), segs, opts, stats,
+                inputs=inputs, runs=tuple(runs))
+    else:
+        if stats is not None:
+            stats["host_gb"] = parked_bytes(model) / 1024**3
+        with use_ring_attention([stack.module]), use_shard_positions(stack.layers, runs):
+            (loss, _), grads = _value_and_grad(model, sharded, local, mx.array(local_lengths),
+                                               segs, opts, chunked=True, inputs=inputs)
     loss = loss * share if n else mx.array(0.0, mx.float32)
     return (loss, n), grads

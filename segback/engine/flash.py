@@ -26,9 +26,17 @@ BQ = 64  # query rows a forward / dQ block holds
 LN2 = float(np.log(2.0))
 
 
+VARIANTS = ("v1", "v2")
+
+
 @functools.cache
-def _source() -> str:
-    return (files("segback.engine") / "flash_attention.cuh").read_text()
+def _source(kind: str = "forward") -> str:
+    """The kernel header a kind needs: v1's, and for a v2 kind v1's followed by v2's (which
+    reuses v1's helpers); v1's text is unchanged, so its cached binaries stay valid."""
+    v1 = (files("segback.engine") / "flash_attention.cuh").read_text()
+    if not kind.endswith("_v2"):
+        return v1
+    return v1 + "\n" + (files("segback.engine") / "flash_attention_v2.cuh").read_text()
 
 
 def _tiles(D: int) -> dict[str, int]:
@@ -42,6 +50,54 @@ def _tiles(D: int) -> dict[str, int]:
         bkv=16384 // D if D >= 128 else 128,  # keys per dK/dV CTA
         dkdv_bq=32 if D > 256 else 64,
     )
+
+
+def _tiles_v2(D: int) -> dict[str, int]:
+    """v2's block sizes (the register and shared-memory arithmetic is in the report of the
+    commit that added them): 128 query rows of 8 warps for D <= 256, and for D = 512 64 rows
+    with the output columns split over two warps per 16 rows (WN = 2), all within 227 KB."""
+    wide = D > 256
+    return dict(
+        fwd_bq=64 if wide else 128, fwd_bk=64, fwd_wn=2 if wide else 1,
+        dq_bq=64 if wide else 128, dq_bk=32 if D >= 256 else 64, dq_wn=2 if wide else 1,
+        bkv=16384 // D if D >= 128 else 128,
+        dkdv_bq=32 if wide else 64,
+    )
+
+
+def smem_v2(kind: str, D: int, item: int = 2) -> int:
+    """Dynamic shared memory (bytes) of one v2 kernel: the layout its header carves."""
+    cfg, sq = _tiles_v2(D), D + 8
+    if kind == "forward_v2":
+        bq, bk, wn = cfg["fwd_bq"], cfg["fwd_bk"], cfg["fwd_wn"]
+        extra = (bq * (bk + 8) * item + wn * bq * 4) if wn > 1 else 0
+        return (bq + 2 * bk) * sq * item + extra
+    if kind == "dq_v2":
+        bq, bk, wn = cfg["dq_bq"], cfg["dq_bk"], cfg["dq_wn"]
+        extra = bq * (bk + 8) * item if wn > 1 else 0
+        return (2 * bq + 2 * bk) * sq * item + extra
+    bkv, bq = cfg["bkv"], cfg["dkdv_bq"]
+    return (2 * bkv * sq + 4 * bq * sq + 2 * bkv * (bq + 8)) * item + 4 * bq * 4
+
+
+def consts_v2(kind: str, D: int, seg: int) -> dict[str, int]:
+    """Template constants of one v2 kernel."""
+    cfg = _tiles_v2(D)
+    if kind == "forward_v2":
+        return dict(D=D, BQ=cfg["fwd_bq"], BK=cfg["fwd_bk"], WN=cfg["fwd_wn"], SEG=seg)
+    if kind == "dq_v2":
+        return dict(D=D, BQ=cfg["dq_bq"], BK=cfg["dq_bk"], WN=cfg["dq_wn"], SEG=seg)
+    return dict(D=D, BKV=cfg["bkv"], BQB=cfg["dkdv_bq"], SEG=seg)
+
+
+def threads_v2(kind: str, D: int) -> int:
+    """Threads per CTA of one v2 kernel: 32 per warp, (BQ / 16) x WN warps (dK/dV: 8)."""
+    cfg = _tiles_v2(D)
+    if kind == "forward_v2":
+        return cfg["fwd_bq"] // 16 * cfg["fwd_wn"] * 32
+    if kind == "dq_v2":
+        return cfg["dq_bq"] // 16 * cfg["dq_wn"] * 32
+    return 256
 
 
 def available() -> bool:
@@ -99,6 +155,11 @@ SIGNATURES = {
             ("scale", "f"), ("prm", "i"), ("kr", "i"), ("seg", "i")),
            (("dq", "T"),), "backward_dq<T, D, DQ, BK, SEG, LDSM>"),
 }
+SIGNATURES |= {
+    "forward_v2": SIGNATURES["forward"][:2] + ("forward_v2<T, D, BQ, BK, WN, SEG>",),
+    "dkdv_v2": SIGNATURES["dkdv"][:2] + ("backward_dkdv_v2<T, D, BKV, BQB, SEG>",),
+    "dq_v2": SIGNATURES["dq"][:2] + ("backward_dq_v2<T, D, BQ, BK, WN, SEG>",),
+}
 CUDA_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "f": "float", "i": "int32_t"}
 
 
@@ -120,7 +181,7 @@ def kernel_source(kind: str, dtype: str, consts: dict[str, int]) -> tuple[str, s
     params = [f"const {ctype(t)}* {n}" for n, t in ins] + [f"{ctype(t)}* {n}" for n, t in outs]
     body = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
     source = ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
-              "typedef unsigned int uint32_t;\ntypedef int int32_t;\n" + _source()
+              "typedef unsigned int uint32_t;\ntypedef int int32_t;\n" + _source(kind)
               + f'\nextern "C" __global__ void {name}({", ".join(params)}) {{\n'
               + f"  using T = {T};\n{body}  {_call(kind)}\n}}\n")
     return name, source
@@ -147,7 +208,8 @@ def _jit_kernel(kind: str, smem: int):
     ins, outs, _ = SIGNATURES[kind]
     return mx.fast.cuda_kernel(name=f"segback_flash_{kind}", input_names=[n for n, _ in ins],
                                output_names=[n for n, _ in outs], source=_call(kind),
-                               header=_source(), ensure_row_contiguous=True, shared_memory=smem)
+                               header=_source(kind), ensure_row_contiguous=True,
+                               shared_memory=smem)
 
 
 @functools.cache
@@ -183,10 +245,14 @@ def _params(q: mx.array, k: mx.array, window: int | None) -> mx.array:
 
 
 def flash_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                  window: int | None = None, blocks=None, ldsm: bool = True
-                  ) -> tuple[mx.array, mx.array]:
+                  window: int | None = None, blocks=None, ldsm: bool = True,
+                  variant: str = "v1") -> tuple[mx.array, mx.array]:
     """(output [B, H, Lq, D], row log-sum-exp [B, H, Lq] float32) on CUDA. `ldsm`: B operands
-    through ldmatrix (False: plain 16-bit shared loads, for comparison)."""
+    through ldmatrix (False: plain 16-bit shared loads, for comparison; v1 only). `variant`:
+    "v1" (the measured kernels) or "v2" (cp.async-pipelined, 128-row blocks; see
+    flash_attention_v2.cuh)."""
+    if variant == "v2":
+        return _forward_v2(queries, keys, values, scale, window, blocks)
     B, H, Lq, D = queries.shape
     Lk = keys.shape[2]
     window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
@@ -207,12 +273,31 @@ def flash_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     return o, lse
 
 
+def _forward_v2(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                window: int | None, blocks) -> tuple[mx.array, mx.array]:
+    B, H, Lq, D = queries.shape
+    Lk = keys.shape[2]
+    window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
+    cfg, kind = _tiles_v2(D), "forward_v2"
+    kr, _ = block_ranges(Lq, Lk, window, cfg["fwd_bq"], cfg["fwd_bk"], first, last)
+    threads = threads_v2(kind, D)
+    return tuple(_launch(
+        kind, queries.dtype, consts_v2(kind, D, int(blocks is not None)),
+        [queries, keys, values, mx.array([scale], mx.float32), _params(queries, keys, window),
+         mx.array(kr), seg],
+        [(B, H, Lq, D), (B, H, Lq)], [queries.dtype, mx.float32],
+        (len(kr) * threads, B * H, 1), threads, smem_v2(kind, D, queries.dtype.size)))
+
+
 def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: mx.array | None,
                    lse: mx.array, d_output: mx.array, scale: float, window: int | None = None,
-                   blocks=None, delta: mx.array | None = None, ldsm: bool = True
-                   ) -> tuple[mx.array, mx.array, mx.array]:
+                   blocks=None, delta: mx.array | None = None, ldsm: bool = True,
+                   variant: str = "v1") -> tuple[mx.array, mx.array, mx.array]:
     """(dQ, dK, dV) from the forward's LSE; `delta` = rowsum(dO * O) [B, H, Lq] float32 (computed
-    from `output` when not given)."""
+    from `output` when not given). `variant`: as `flash_forward`'s."""
+    if variant == "v2":
+        return _backward_v2(queries, keys, values, output, lse, d_output, scale, window,
+                            blocks, delta)
     B, H, Lq, D = queries.shape
     Hkv, Lk = keys.shape[1], keys.shape[2]
     window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
@@ -245,33 +330,68 @@ def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: 
     return dq, dk, dv
 
 
-def _make_flash(scale: float, window: int | None, blocks=None, ldsm: bool = True):
+def _backward_v2(queries: mx.array, keys: mx.array, values: mx.array, output: mx.array | None,
+                 lse: mx.array, d_output: mx.array, scale: float, window: int | None, blocks,
+                 delta: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
+    B, H, Lq, D = queries.shape
+    Hkv, Lk = keys.shape[1], keys.shape[2]
+    window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
+    if delta is None:
+        delta = (d_output.astype(mx.float32) * output.astype(mx.float32)).sum(-1)
+    delta = delta.reshape(B, H, Lq)
+    cfg, item, seg_on = _tiles_v2(D), queries.dtype.size, int(blocks is not None)
+    d_output = d_output.astype(queries.dtype)
+    common = [mx.array([scale], mx.float32), _params(queries, keys, window)]
+    ins = [queries, keys, values, d_output, lse, delta]
+
+    _, qr = block_ranges(Lq, Lk, window, cfg["dkdv_bq"], cfg["bkv"], first, last)
+    dk, dv = _launch(
+        "dkdv_v2", queries.dtype, consts_v2("dkdv_v2", D, seg_on),
+        ins + common + [mx.array(qr), seg], [keys.shape, values.shape],
+        [keys.dtype, values.dtype], (len(qr) * 256, B * Hkv, 1), 256,
+        smem_v2("dkdv_v2", D, item))
+
+    kr, _ = block_ranges(Lq, Lk, window, cfg["dq_bq"], cfg["dq_bk"], first, last)
+    threads = threads_v2("dq_v2", D)
+    (dq,) = _launch(
+        "dq_v2", queries.dtype, consts_v2("dq_v2", D, seg_on),
+        ins + common + [mx.array(kr), seg], [queries.shape], [queries.dtype],
+        (len(kr) * threads, B * H, 1), threads, smem_v2("dq_v2", D, item))
+    return dq, dk, dv
+
+
+def _make_flash(scale: float, window: int | None, blocks=None, ldsm: bool = True,
+                variant: str = "v1"):
     @mx.custom_function
     def attend(queries, keys, values):
-        return flash_forward(queries, keys, values, scale, window, blocks, ldsm)
+        return flash_forward(queries, keys, values, scale, window, blocks, ldsm, variant)
 
     @attend.vjp
     def attend_vjp(primals, cotangents, outputs):
         queries, keys, values = primals
         o, lse = outputs
         return flash_backward(queries, keys, values, o, lse, cotangents[0], scale, window,
-                              blocks, ldsm=ldsm)
+                              blocks, ldsm=ldsm, variant=variant)
 
     return attend
 
 
 @functools.cache
-def _cached_flash(scale: float, window: int | None, ldsm: bool):
-    return _make_flash(scale, window, ldsm=ldsm)
+def _cached_flash(scale: float, window: int | None, ldsm: bool, variant: str = "v1"):
+    return _make_flash(scale, window, ldsm=ldsm, variant=variant)
 
 
 def flash_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                    window: int | None = None, blocks=None, ldsm: bool = True) -> mx.array:
+                    window: int | None = None, blocks=None, ldsm: bool = True,
+                    variant: str = "v1") -> mx.array:
     """Causal (optionally sliding-window, optionally packed) attention with the flash kernels'
-    forward and backward; layout as `mx.fast.scaled_dot_product_attention`."""
+    forward and backward; layout as `mx.fast.scaled_dot_product_attention`. `variant`: "v1"
+    (default, the measured kernels) or "v2"."""
+    if variant not in VARIANTS:
+        raise ValueError(f"flash variant {variant!r}: one of {VARIANTS}")
     window = _window(window, keys.shape[2])
-    fn = _make_flash(float(scale), window, blocks, ldsm) if blocks is not None else \
-        _cached_flash(float(scale), window, ldsm)
+    fn = _make_flash(float(scale), window, blocks, ldsm, variant) if blocks is not None else \
+        _cached_flash(float(scale), window, ldsm, variant)
     return fn(queries, keys, values)[0]
 
 
@@ -298,23 +418,24 @@ def _gqa(x: mx.array, rep: int) -> mx.array:
 
 
 def reference_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                      window: int | None = None, blocks=None, bk: int = 64
+                      window: int | None = None, blocks=None, bk: int = 64, bq: int = BQ
                       ) -> tuple[mx.array, mx.array]:
-    """The forward kernel's algorithm in float32 MLX ops: per query block, key blocks in order
-    with an online softmax (running max and sum), then O / l and LSE = m + log l."""
+    """The forward kernel's algorithm in float32 MLX ops: per query block (`bq` rows; v2: 128
+    or 64), key blocks in order with an online softmax (running max and sum), then O / l and
+    LSE = m + log l."""
     B, H, Lq, D = queries.shape
     Lk = keys.shape[2]
     rep = H // keys.shape[1]
     window = _window(window, Lk)
     seg = None if blocks is None else blocks.ids
     first, last = (None, None) if blocks is None else (blocks.first, blocks.last)
-    kr, _ = block_ranges(Lq, Lk, window, BQ, bk, first, last)
+    kr, _ = block_ranges(Lq, Lk, window, bq, bk, first, last)
     q = queries.astype(mx.float32)
     k, v = _gqa(keys.astype(mx.float32), rep), _gqa(values.astype(mx.float32), rep)
     neg = mx.array(-np.inf, mx.float32)
     outs, lses = [], []
     for qb, (lo, hi) in enumerate(kr):
-        i = np.arange(qb * BQ, min(qb * BQ + BQ, Lq))
+        i = np.arange(qb * bq, min(qb * bq + bq, Lq))
         qi = q[:, :, i[0]:i[-1] + 1]
         m = mx.full((B, H, len(i), 1), -np.inf)
         ell = mx.zeros((B, H, len(i), 1))
@@ -337,10 +458,13 @@ def reference_forward(queries: mx.array, keys: mx.array, values: mx.array, scale
 
 def reference_backward(queries: mx.array, keys: mx.array, values: mx.array, output: mx.array,
                        lse: mx.array, d_output: mx.array, scale: float,
-                       window: int | None = None, blocks=None, bkv: int = 64, bq: int = BQ
+                       window: int | None = None, blocks=None, bkv: int = 64, bq: int = BQ,
+                       dq_tiles: tuple[int, int] | None = None
                        ) -> tuple[mx.array, mx.array, mx.array]:
-    """The backward kernels' algorithm in float32 MLX ops: dK/dV per key block over the query
-    blocks that see it, dQ per query block over its key blocks, P recomputed from the LSE."""
+    """The backward kernels' algorithm in float32 MLX ops: dK/dV per key block (`bkv` keys,
+    `bq`-row query blocks) over the query blocks that see it, dQ per query block over its key
+    blocks (`dq_tiles` = (rows, keys), default (bq, bkv); v2 tiles dQ unlike dK/dV), P
+    recomputed from the LSE."""
     B, H, Lq, D = queries.shape
     Hkv, Lk = keys.shape[1], keys.shape[2]
     rep = H // Hkv
@@ -376,13 +500,14 @@ def reference_backward(queries: mx.array, keys: mx.array, values: mx.array, outp
     dk = mx.concatenate(dks, axis=2).reshape(B, Hkv, rep, Lk, D).sum(2)
     dv = mx.concatenate(dvs, axis=2).reshape(B, Hkv, rep, Lk, -1).sum(2)
 
-    kr, _ = block_ranges(Lq, Lk, window, bq, bkv, first, last)
+    dq_bq, dq_bk = dq_tiles or (bq, bkv)
+    kr, _ = block_ranges(Lq, Lk, window, dq_bq, dq_bk, first, last)
     dqs = []
     for qb, (lo, hi) in enumerate(kr):
-        i = np.arange(qb * bq, min(qb * bq + bq, Lq))
+        i = np.arange(qb * dq_bq, min(qb * dq_bq + dq_bq, Lq))
         dq = mx.zeros((B, H, len(i), D))
-        for k0 in range((int(lo) // bkv) * bkv, int(hi), bkv):
-            j = np.arange(k0, min(k0 + bkv, Lk))
+        for k0 in range((int(lo) // dq_bk) * dq_bk, int(hi), dq_bk):
+            j = np.arange(k0, min(k0 + dq_bk, Lk))
             _, ds = block(i, j)
             dq = dq + ds @ k[:, :, j[0]:j[-1] + 1]
         dqs.append(dq * scale)

@@ -72,6 +72,10 @@ class Plan:
     message: str = "given segments"
     layer_types: list[str] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)
+    # context parallelism (`segback plan --context-parallel R`): ranks, order, seq_len (the
+    # whole sequence), shard_tokens (what each rank runs), sent_gb_per_step and
+    # messages_per_step (each rank's), ring_buffer_gb, balance; empty without it
+    context: dict[str, Any] = field(default_factory=dict)
 
     @property
     def seq_len(self) -> int | None:
@@ -145,8 +149,14 @@ class Plan:
         if layer_types and self.layer_types and list(layer_types) != list(self.layer_types):
             raise PlanError(f"this plan was made for {what}, whose attention layers differ "
                             "from this model's: make a plan for this model")
-        planned_len = self.inputs.get("seq_len")
+        planned_len = self.context.get("shard_tokens", self.inputs.get("seq_len"))
         if seq_len is not None and planned_len is not None and seq_len > planned_len:
+            if self.context:
+                raise PlanError(
+                    f"this plan was made for shards of {planned_len} tokens (sequences of "
+                    f"{self.context['seq_len']} over {self.context['ranks']} context ranks); "
+                    f"a shard of {seq_len} would not fit what it predicts: plan for this "
+                    "--seq and --context-parallel (or shorten the data)")
             raise PlanError(f"this plan was made for sequences of {planned_len} tokens; a batch "
                             f"of {seq_len} would not fit what it predicts: plan for "
                             f"--seq {seq_len} (or shorten the data)")

@@ -8,8 +8,10 @@ results with their log-sum-exp (flash-attention style), so no rank ever holds mo
 blocks, and no [L, L] array exists.
 
 - Forward: R steps; step s attends to the block of rank (r - s) mod R, while the next block is
-  already on its way (the exchange runs on its own stream). Blocks a query cannot see (causal, or
-  outside the window) are skipped; only their transfer is paid. Saves O and the row LSE.
+  already on its way. Each chunk of queries scores only the keys of the block it may see (a
+  range: positions are sorted), so a zig-zag shard's causal work is its share of the pairs;
+  blocks no query of a chunk sees are skipped, and only their transfer is paid. Saves O and
+  the row LSE.
 - Backward: recomputes each block's probabilities from the saved LSE (nothing of the forward's
   scores is kept); the block's dK/dV accumulators travel with it around the ring, each rank adds
   its queries' share, and one last hop brings them home to the block's owner.
@@ -23,14 +25,15 @@ blocks, and no [L, L] array exists.
   `create_causal_mask(window_size=...)`. Shards of unequal length (L not divisible by R) are
   padded for the exchange with keys no query sees.
 
-Arithmetic is float32 (softmax, LSE, accumulators), as the chunked attention's.
+Arithmetic is float32 (softmax, LSE, accumulators), as the chunked attention's. Keys and values
+travel in their own dtype (casting them is exact), dK/dV in float32.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Literal
 
@@ -50,10 +53,12 @@ class RingError(ValueError):
 
 @dataclass(frozen=True)
 class Shards:
-    """Which global positions (of L) each of R ranks holds, in the order it holds them."""
+    """Which global positions (of L) each of R ranks holds, in the order it holds them. Equal
+    (and hashed) by how they were made: `shard_positions(length, size, order)`."""
 
     length: int
-    positions: tuple[np.ndarray, ...]
+    order: str
+    positions: tuple[np.ndarray, ...] = field(compare=False)
 
     @property
     def size(self) -> int:
@@ -71,6 +76,23 @@ class Shards:
         starts = np.concatenate([[0], cuts])
         stops = np.concatenate([cuts, [len(pos)]])
         return [(int(a), int(b), int(pos[a])) for a, b in zip(starts, stops)]
+
+    def pieces(self, rank: int) -> list[tuple[int, int]]:
+        """Local (start, stop) of the pieces rank holds: its shard, or its two zig-zag pieces
+        (contiguous runs, adjacent for the middle rank)."""
+        n = len(self.positions[rank])
+        if self.order == "contiguous":
+            return [(0, n)]
+        first = self.length // (2 * self.size) + (rank < self.length % (2 * self.size))
+        return [(0, first), (first, n)]
+
+    def chunks(self, rank: int, size: int) -> list[tuple[int, int]]:
+        """Local (start, stop) of at most `size` queries, none across two pieces: a chunk's
+        keys then are one range of every block (`_key_range`), never those of two runs, and
+        the middle rank, whose pieces meet, chunks its diagonal block as finely as the others
+        (causal work stays balanced)."""
+        return [(a + c, min(a + c + size, b)) for a, b in self.pieces(rank)
+                for c in range(0, b - a, size)]
 
     def key_positions(self, rank: int) -> np.ndarray:
         """Rank's key positions padded to `padded` with never-visible ones."""
@@ -91,9 +113,9 @@ def shard_positions(length: int, ranks: int, order: str = "zigzag") -> Shards:
             f"{ranks} context ranks: use fewer context ranks or longer sequences")
     parts = np.array_split(np.arange(length, dtype=np.int64), pieces)
     if order == "contiguous":
-        return Shards(length, tuple(parts))
-    return Shards(length, tuple(np.concatenate([parts[r], parts[pieces - 1 - r]])
-                                for r in range(ranks)))
+        return Shards(length, order, tuple(parts))
+    return Shards(length, order, tuple(np.concatenate([parts[r], parts[pieces - 1 - r]])
+                                       for r in range(ranks)))
 
 
 @dataclass(frozen=True)
@@ -125,23 +147,24 @@ class Ring:
         return mx.depends(y, sent)
 
 
-def _visibility(qpos: np.ndarray, kpos: np.ndarray, window: int | None) -> str:
-    """'none', 'all' or 'some' of keys `kpos` visible to queries `qpos` (both sorted runs are
-    not assumed; pads are beyond every query)."""
-    real = kpos[kpos < _PAD]
-    if real.size == 0 or real.min() > qpos.max():
-        return "none"
+def _key_range(qpos: np.ndarray, kpos: np.ndarray, window: int | None
+               ) -> tuple[str, int, int]:
+    """('none', 'all' or 'some', k0, k1): the keys kpos[k0:k1] are the only ones queries `qpos`
+    may see (causal, within the window), and whether none, all or some (query, key) pairs of
+    that range are visible. Both are sorted (a shard's positions are; pads come last)."""
+    k1 = int(np.searchsorted(kpos, qpos[-1], side="right"))  # keys <= the last query
+    k0 = 0 if window is None else int(np.searchsorted(kpos, qpos[0] - window + 1))
+    if k1 <= k0:
+        return "none", 0, 0
+    keys = kpos[k0:k1]
     if window is not None:
-        ks = np.sort(real)
-        # the latest key at or before each query: visible iff within the window
-        j = np.searchsorted(ks, qpos, side="right") - 1
+        # the latest key at or before each query: some pair is visible iff one is in the window
+        j = np.searchsorted(keys, qpos, side="right") - 1
         ok = j >= 0
-        if not np.any(qpos[ok] - ks[j[ok]] < window):
-            return "none"
-    full = real.size == kpos.size and kpos.max() <= qpos.min()
-    if full and (window is None or qpos.max() - kpos.min() < window):
-        return "all"
-    return "some"
+        if not np.any(qpos[ok] - keys[j[ok]] < window):
+            return "none", 0, 0
+    every = keys[-1] <= qpos[0] and (window is None or qpos[-1] - keys[0] < window)
+    return ("all" if every else "some"), k0, k1
 
 
 def _mask(qpos: np.ndarray, kpos: np.ndarray, window: int | None) -> mx.array:
@@ -154,21 +177,36 @@ def _mask(qpos: np.ndarray, kpos: np.ndarray, window: int | None) -> mx.array:
 
 @dataclass(frozen=True)
 class _Plan:
-    """Static per-call work: query chunks, and per (step, chunk) how much of the block shows."""
+    """Static per-call work: query chunks, and per (step, chunk) which keys of the block in
+    hand it may see and whether all of them show (`_key_range`)."""
 
     chunks: list[tuple[int, int]]
     owners: list[int]
-    seen: dict[tuple[int, int], str]
+    seen: dict[tuple[int, int], tuple[str, int, int]]
 
     @classmethod
     def make(cls, shards: Shards, ring: Ring, window: int | None, chunk: int) -> _Plan:
-        n = len(shards.positions[ring.rank])
-        chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+        chunks = shards.chunks(ring.rank, chunk)
         owners = [(ring.rank - s) % ring.size for s in range(ring.size)]
         qpos = shards.positions[ring.rank]
-        seen = {(s, j): _visibility(qpos[a:b], shards.key_positions(o), window)
+        keys = {o: shards.key_positions(o) for o in owners}
+        seen = {(s, j): _key_range(qpos[a:b], keys[o], window)
                 for s, o in enumerate(owners) for j, (a, b) in enumerate(chunks)}
         return cls(chunks, owners, seen)
+
+
+def _block(k: mx.array, v: mx.array, length: int) -> mx.array:
+    """[K | V] as they travel: in their own dtype (a float32 copy of the block in hand is made
+    where it is attended), padded to the exchanged block length."""
+    kv = mx.concatenate([k, v.astype(k.dtype)], axis=-1)
+    pad = length - k.shape[2]
+    return mx.pad(kv, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else kv
+
+
+def _add_keys(acc: mx.array, update: mx.array, start: int) -> mx.array:
+    """acc[:, :, start:start + n] += update (a range of a block's keys)."""
+    stop = start + update.shape[2]
+    return mx.slice_update(acc, acc[:, :, start:stop] + update, mx.array([start]), (2,))
 
 
 def _scores(qc: mx.array, kb: mx.array, scale: float) -> mx.array:
@@ -185,10 +223,7 @@ def ring_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, window: in
     plan = _Plan.make(shards, ring, window, chunk)
     qpos = shards.positions[ring.rank]
     q5 = q.astype(mx.float32).reshape(B, Hkv, rep, n, D)
-    pad = shards.padded - n
-    kv = mx.concatenate([k.astype(mx.float32), v.astype(mx.float32)], axis=-1)
-    kv = mx.pad(kv, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else kv
-    kv = mx.depends(kv, q)  # the exchanges start after what came before
+    kv = mx.depends(_block(k, v, shards.padded), q)  # the exchanges start after what came before
     lowest = mx.finfo(mx.float32).min
     m = [mx.full((B, Hkv, rep, b - a, 1), lowest) for a, b in plan.chunks]
     lsum = [mx.zeros((B, Hkv, rep, b - a, 1)) for a, b in plan.chunks]
@@ -196,14 +231,15 @@ def ring_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, window: in
     for s, owner in enumerate(plan.owners):
         following = ring.rotate(kv) if s + 1 < ring.size else None  # in flight meanwhile
         kpos = shards.key_positions(owner)
-        kb, vb = kv[..., :D], kv[..., D:]
+        kvf = kv.astype(mx.float32)
         for j, (a, b) in enumerate(plan.chunks):
-            seen = plan.seen[s, j]
+            seen, k0, k1 = plan.seen[s, j]
             if seen == "none":
                 continue
+            kb, vb = kvf[:, :, k0:k1, :D], kvf[:, :, k0:k1, D:]
             sc = _scores(q5[:, :, :, a:b], kb, scale)
             if seen == "some":
-                sc = mx.where(_mask(qpos[a:b], kpos, window), sc, -mx.inf)
+                sc = mx.where(_mask(qpos[a:b], kpos[k0:k1], window), sc, -mx.inf)
             m_new = mx.maximum(m[j], sc.max(axis=-1, keepdims=True))
             p = mx.exp(sc - m_new)
             alpha = mx.exp(m[j] - m_new)
@@ -219,10 +255,11 @@ def ring_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, window: in
     return out, lse.reshape(B, H, n, 1)
 
 
-def ring_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, lse: mx.array,
-                  d_out: mx.array, scale: float, window: int | None, ring: Ring,
+def ring_backward(q: mx.array, k: mx.array, v: mx.array, lse: mx.array, d_out: mx.array,
+                  delta: mx.array, scale: float, window: int | None, ring: Ring,
                   shards: Shards, chunk: int) -> tuple[mx.array, mx.array, mx.array]:
-    """(dQ, dK, dV) of `ring_forward`; dK and dV of every block come home to its owner."""
+    """(dQ, dK, dV) of `ring_forward`, given rowsum(dO * O) `delta` [B, H, n, 1] (float32);
+    dK and dV of every block come home to its owner."""
     B, H, n, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     rep = H // Hkv
@@ -232,34 +269,33 @@ def ring_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, lse: mx.
     q5 = q.astype(f32).reshape(B, Hkv, rep, n, D)
     do5 = d_out.astype(f32).reshape(B, Hkv, rep, n, Dv)
     lse5 = lse.reshape(B, Hkv, rep, n, 1)
-    delta = (do5 * out.astype(f32).reshape(B, Hkv, rep, n, Dv)).sum(-1, keepdims=True)
-    pad = shards.padded - n
-    kv = mx.concatenate([k.astype(f32), v.astype(f32)], axis=-1)
-    kv = mx.pad(kv, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else kv
-    kv = mx.depends(kv, [d_out, lse])
-    dkv = mx.zeros_like(kv)  # [dK | dV] of the block in hand, accumulated along the ring
+    delta = delta.astype(f32).reshape(B, Hkv, rep, n, 1)
+    kv = mx.depends(_block(k, v, shards.padded), [d_out, lse])
+    # [dK | dV] of the block in hand, accumulated along the ring (float32: it is summed on R
+    # ranks, and rounding it on the way would be error that one process does not make)
+    dkv = mx.zeros(kv.shape, f32)
     dq = [mx.zeros((B, Hkv, rep, b - a, D)) for a, b in plan.chunks]
     for s, owner in enumerate(plan.owners):
         # K/V leave after the last step's dK/dV did: one order of messages on every rank
         following = ring.rotate(mx.depends(kv, dkv)) if s + 1 < ring.size else None
         kpos = shards.key_positions(owner)
-        kb, vb = kv[..., :D], kv[..., D:]
-        dk, dv = dkv[..., :D], dkv[..., D:]
+        kvf = kv.astype(f32)
         for j, (a, b) in enumerate(plan.chunks):
-            seen = plan.seen[s, j]
+            seen, k0, k1 = plan.seen[s, j]
             if seen == "none":
                 continue
+            kb, vb = kvf[:, :, k0:k1, :D], kvf[:, :, k0:k1, D:]
             qc, doc = q5[:, :, :, a:b], do5[:, :, :, a:b]
             sc = _scores(qc, kb, scale)
             if seen == "some":
-                sc = mx.where(_mask(qpos[a:b], kpos, window), sc, -mx.inf)
+                sc = mx.where(_mask(qpos[a:b], kpos[k0:k1], window), sc, -mx.inf)
             p = mx.exp(sc - lse5[:, :, :, a:b])
-            dv = dv + (p.swapaxes(-1, -2) @ doc).sum(axis=2)
+            dv = (p.swapaxes(-1, -2) @ doc).sum(axis=2)
             dp = doc @ vb[:, :, None].swapaxes(-1, -2)
             ds = p * (dp - delta[:, :, :, a:b]) * scale
             dq[j] = dq[j] + ds @ kb[:, :, None]
-            dk = dk + (ds.swapaxes(-1, -2) @ qc).sum(axis=2)
-        dkv = mx.concatenate([dk, dv], axis=-1)
+            dk = (ds.swapaxes(-1, -2) @ qc).sum(axis=2)
+            dkv = _add_keys(dkv, mx.concatenate([dk, dv], axis=-1), k0)
         # dK/dV go on to the next rank after this step's K/V left
         dkv = ring.rotate(dkv if following is None else mx.depends(dkv, following))
         if following is not None:
@@ -270,39 +306,62 @@ def ring_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, lse: mx.
     return dq_all, dkv[..., :D].astype(k.dtype), dkv[..., D:].astype(v.dtype)
 
 
-def ring_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int | None,
-              ring: Ring, shards: Shards, chunk_size: int | None = None) -> mx.array:
+def ring_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: RingMask
+              ) -> mx.array:
     """Attention of this rank's queries over the whole sequence's keys, with its VJP.
 
-    q [B, H, n, D], k/v [B, Hkv, n, D]: this rank's shard (positions `shards.positions[rank]`).
+    q [B, H, n, D], k/v [B, Hkv, n, D]: this rank's shard (positions
+    `mask.shards.positions[mask.ring.rank]`).
     """
-    B, H, n, _ = q.shape
-    if window is not None and window >= shards.length:
-        window = None
-    chunk = chunk_size or default_chunk_size(B, H, n, shards.padded, None)
 
     @mx.custom_function
     def attend(q, k, v):
-        return ring_forward(q, k, v, scale, window, ring, shards, chunk)
+        return mask.forward(q, k, v, scale)
 
     @attend.vjp
     def attend_vjp(primals, cotangents, outputs):
-        q, k, v = primals
-        return ring_backward(q, k, v, outputs[0], outputs[1], cotangents[0], scale, window,
-                             ring, shards, chunk)
+        out, lse = outputs
+        d_out = cotangents[0]
+        delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1, keepdims=True)
+        return mask.backward(*primals, lse, d_out, delta, scale)
 
     return attend(q, k, v)[0]
 
 
 @dataclass(frozen=True)
 class RingMask:
-    """A layer's mask under context parallelism: causal or sliding over `window`, run by
-    `ring_sdpa` over the whole ring."""
+    """A layer's mask under context parallelism: causal or sliding over `window`, attended
+    over the whole ring. The untiled engine's attention calls reach it through `ring_sdpa`;
+    the tiled engine calls `forward` and `backward` once per layer. `chunk`: queries per block
+    of scores (None: `default_chunk_size`'s)."""
 
     kind: Literal["causal", "sliding"]
     window: int | None
     ring: Ring
     shards: Shards
+    chunk: int | None = None
+
+    def _shape(self, q: mx.array) -> tuple[int | None, int]:
+        """(the window, None where it covers the sequence; queries per chunk)."""
+        B, H, n, _ = q.shape
+        window = self.window if self.kind == "sliding" else None
+        if window is not None and window >= self.shards.length:
+            window = None
+        return window, self.chunk or default_chunk_size(B, H, n, self.shards.padded, None)
+
+    def forward(self, q: mx.array, k: mx.array, v: mx.array, scale: float
+                ) -> tuple[mx.array, mx.array]:
+        """(O, row LSE) of this rank's queries: `ring_forward`."""
+        window, chunk = self._shape(q)
+        return ring_forward(q, k, v, scale, window, self.ring, self.shards, chunk)
+
+    def backward(self, q: mx.array, k: mx.array, v: mx.array, lse: mx.array,
+                 d_out: mx.array, delta: mx.array, scale: float
+                 ) -> tuple[mx.array, mx.array, mx.array]:
+        """(dQ, dK, dV) of `forward`: `ring_backward`."""
+        window, chunk = self._shape(q)
+        return ring_backward(q, k, v, lse, d_out, delta, scale, window, self.ring,
+                             self.shards, chunk)
 
 
 @contextlib.contextmanager
@@ -313,8 +372,8 @@ def use_ring_attention(modules: Sequence[ModuleType | str], chunk_size: int | No
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(mask, RingMask) and cache is None and sinks is None:
-            return ring_sdpa(queries, keys, values, scale, mask.window, mask.ring,
-                             mask.shards, chunk_size)
+            return ring_sdpa(queries, keys, values, scale,
+                             replace(mask, chunk=chunk_size) if chunk_size else mask)
         if isinstance(mask, RingMask):
             raise RingError("context-parallel attention takes no KV cache and no sinks")
         return sdpa_for_mlx_lm(queries, keys, values, cache, scale, mask, sinks,

@@ -108,19 +108,23 @@ def value_and_grad(
         return _value_and_grad(model, stack, batch, lengths, segs, opts, chunked=routed)
 
 
-def _value_and_grad(model, stack, batch, lengths, segs, opts: EngineOptions, chunked=False):
+def _value_and_grad(model, stack, batch, lengths, segs, opts: EngineOptions, chunked=False,
+                    inputs=None):
+    """`inputs`: the token ids the layers run on, when not `batch[:, :-1]` (a context-parallel
+    shard's, whose targets are not its next inputs)."""
     # Dropout in LoRA layers draws random masks: replay the same stream in each recompute.
     seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
     with use_mlp_chunks(stack.layers, opts.mlp_chunk, seed):
-        return _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed)
+        return _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed,
+                                  inputs)
 
 
-def _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed):
+def _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed, inputs=None):
     per_layer, outer = _split_trainable(model, stack)
     binders = [binder(layer, list(per_layer[i])) for i, layer in enumerate(stack.layers)]
     packed = is_packed(lengths)
     lengths_np = lengths if packed else np.array(lengths).reshape(-1, 2)
-    inputs = batch[:, :-1]
+    inputs = batch[:, :-1] if inputs is None else inputs
     need_input_grad = bool(outer)  # embedding-side params are trainable: thread dh back
 
     outer_keys = list(outer)
@@ -228,16 +232,18 @@ def _segments_backward(model, stack, batch, lengths, segs, opts, chunked, seed):
 
 
 
-def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOptions, stats):
+def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOptions, stats,
+                          inputs=None, runs=None):
     """The segmented backward with sequence-tiled layers (see `segback.engine.tiled`).
 
     A segment [a, b) keeps only its input boundary; its backward recomputes the boundaries
-    inside it, then walks its layers in reverse, each layer's VJP tile by tile.
+    inside it, then walks its layers in reverse, each layer's VJP tile by tile. `inputs` as
+    `_value_and_grad`'s; `runs`: the rows' positions as `tiled.LayerCall.runs` (None: 0..L-1).
     """
     per_layer, outer = _split_trainable(model, stack)
     binders = [binder(layer, list(per_layer[i])) for i, layer in enumerate(stack.layers)]
     lengths_np = np.array(lengths).reshape(-1, 2)
-    inputs = batch[:, :-1]
+    inputs = batch[:, :-1] if inputs is None else inputs
     L = inputs.shape[1]
     need_input_grad = bool(outer)
     seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
@@ -277,7 +283,7 @@ def _value_and_grad_tiled(model, stack, batch, lengths, segs, opts: EngineOption
                          pli, kv[src] if src != i else None, need_input_grad, opts.compile,
                          seed=seed + 100_003 * i, light_tile=opts.light_tile,
                          share_traces=opts.share_traces, in_flight=opts.tiles_in_flight,
-                         dropout=dropout[i], kind=opts.attention)
+                         dropout=dropout[i], kind=opts.attention, runs=runs)
 
     def leaves(i: int) -> list[mx.array]:
         return list(per_layer[i].values())

@@ -37,6 +37,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from segback.engine.attention import MaskSpec, Rows, core_backward, core_forward
+from segback.engine.ring_attention import RingMask
 from segback.engine.stack import Stack, binder, has_dropout
 
 KV = tuple[mx.array, mx.array]
@@ -237,6 +238,9 @@ class LayerCall:
     # modules, which costs more host time than a tile's graph on a GPU.
     dropout: bool | None = None
     kind: str = "chunked"  # the attention engine option: "fused" or "chunked"
+    # (local start, local stop, global start) of each contiguous run of positions: a context-
+    # parallel shard's (`ring_attention.Shards.runs`); None: one run from 0
+    runs: tuple[tuple[int, int, int], ...] | None = None
 
     def reseed(self, t: int, part: int) -> None:
         """Dropout stream of tile t's pre (0) or post (1) pass, the same in forward and VJP."""
@@ -274,6 +278,20 @@ class LayerCall:
         VJP's tiles (each tile draws its own mask, the same in the forward and the VJP)."""
         return self.light if self.deterministic else self.tile
 
+    def spans(self, length: int, size: int) -> list[tuple[int, int]]:
+        """Tiles of at most `size` tokens covering [0, length), none across two runs (so each
+        tile's positions are its offset onwards)."""
+        if self.runs is None:
+            return tiles(length, size)
+        return [(a + t0, a + t1) for a, b, _ in self.runs for t0, t1 in tiles(b - a, size)]
+
+    def offset(self, t0: int) -> mx.array:
+        """The position of the tile starting at local row `t0` (RoPE's offset)."""
+        if self.runs is not None:
+            a, _, start = next(r for r in self.runs if r[0] <= t0 < r[1])
+            t0 = start + t0 - a
+        return mx.array(t0, mx.int32)
+
     def extras(self, t0: int, t1: int) -> list[mx.array]:
         """The per-layer input rows and donor K/V, in TileFns' order."""
         out = [] if self.per_layer is None else [self.per_layer[:, t0:t1]]
@@ -306,8 +324,24 @@ class InFlight:
             self.prev = None
 
 
-def _offset(t0: int) -> mx.array:
-    return mx.array(t0, mx.int32)
+def attention_forward(call: LayerCall, q: mx.array, k: mx.array, v: mx.array, scale: float
+                      ) -> tuple[mx.array, object]:
+    """The layer's attention output over the whole sequence (over the ring, for a
+    `RingMask`), and what `attention_backward` needs of it."""
+    if isinstance(call.mask, RingMask):
+        return call.mask.forward(q, k, v, scale)
+    return core_forward(q, k, v, scale, call.mask, call.kind)
+
+
+def attention_backward(call: LayerCall, q: mx.array, k: mx.array, v: mx.array, saved: object,
+                       d_out: Rows, delta: Rows, scale: float
+                       ) -> tuple[Rows, mx.array, mx.array]:
+    """(dQ as `Rows`, dK, dV) of `attention_forward`."""
+    if isinstance(call.mask, RingMask):
+        L = q.shape[2]
+        dq, dk, dv = call.mask.backward(q, k, v, saved, d_out(0, L), delta(0, L), scale)
+        return Rows([dq]), dk, dv
+    return core_backward(q, k, v, saved, d_out, delta, scale, call.mask)
 
 
 def _pre(call: LayerCall, h: mx.array, spans, leaves) -> tuple[mx.array, mx.array, mx.array]:
@@ -316,7 +350,7 @@ def _pre(call: LayerCall, h: mx.array, spans, leaves) -> tuple[mx.array, mx.arra
     flight = InFlight(call.in_flight)
     for t, (t0, t1) in enumerate(spans):
         call.reseed(t, 0)
-        parts = call.fns.pre(h[:, t0:t1], _offset(t0), *call.extras(t0, t1), *leaves,
+        parts = call.fns.pre(h[:, t0:t1], call.offset(t0), *call.extras(t0, t1), *leaves,
                              *call.frozen)
         flight.push(parts)
         qs.append(parts[0])
@@ -337,16 +371,15 @@ def layer_forward(call: LayerCall, h: mx.array, leaves: list[mx.array]
                   ) -> tuple[mx.array, KV | None]:
     """The layer's output for all L tokens (and its own K/V), computed tile by tile."""
     B, L, _ = h.shape
-    spans = tiles(L, call.light)
-    q, k, v = _pre(call, h, spans, leaves)
-    o, _ = core_forward(q, k, v, call.fns.scale, call.mask, call.kind)
+    q, k, v = _pre(call, h, call.spans(L, call.light), leaves)
+    o, _ = attention_forward(call, q, k, v, call.fns.scale)
     mx.eval(o)
     del q
     outs = []
     flight = InFlight(call.in_flight)
-    for t, (t0, t1) in enumerate(tiles(L, call.post_tile)):
+    for t, (t0, t1) in enumerate(call.spans(L, call.post_tile)):
         call.reseed(t, 1)
-        out = call.fns.post(h[:, t0:t1], _offset(t0), o[:, :, t0:t1], *call.extras(t0, t1),
+        out = call.fns.post(h[:, t0:t1], call.offset(t0), o[:, :, t0:t1], *call.extras(t0, t1),
                             *leaves, *call.frozen)
         flight.push(out)
         outs.append(out)
@@ -367,10 +400,10 @@ def layer_vjp(
     `d_own_kv` is the cotangent of this layer's own K/V from the layers that share it.
     """
     B, L, _ = h.shape
-    spans, light = tiles(L, call.tile), tiles(L, call.light)
+    spans, light = call.spans(L, call.tile), call.spans(L, call.light)
     q, k, v = _pre(call, h, light, params)
     scale = call.fns.scale
-    o, saved = core_forward(q, k, v, scale, call.mask, call.kind)
+    o, saved = attention_forward(call, q, k, v, scale)
     mx.eval(o, saved if isinstance(saved, mx.array) else [])
 
     grads = [mx.zeros_like(p) for p in params]
@@ -381,7 +414,7 @@ def layer_vjp(
         o_t = o[:, :, t0:t1]
         call.reseed(t, 1)
         dh_t, do_t, *rest = call.fns.post_vjp(
-            h[:, t0:t1], _offset(t0), o_t, dh_out[:, t0:t1], *call.extras(t0, t1), *params,
+            h[:, t0:t1], call.offset(t0), o_t, dh_out[:, t0:t1], *call.extras(t0, t1), *params,
             *call.frozen
         )
         if with_pli:
@@ -396,7 +429,7 @@ def layer_vjp(
     del o, o_t  # the last tile's slice would keep all of O's buffer alive
     # dO, rowsum(dO * O) and dQ stay in their pieces: a concatenated copy beside them would be
     # one more [L, heads x head_dim] array at the layer's peak.
-    dq, dk, dv = core_backward(q, k, v, saved, Rows(dos), Rows(deltas), scale, call.mask)
+    dq, dk, dv = attention_backward(call, q, k, v, saved, Rows(dos), Rows(deltas), scale)
     del dos, deltas, q, k, v, saved
     d_shared = None
     if call.owns_kv and d_own_kv is not None:
@@ -412,7 +445,7 @@ def layer_vjp(
         own = [dk[:, :, t0:t1], dv[:, :, t0:t1]] if call.owns_kv else []
         call.reseed(t, 0)
         dh_t, *rest = call.fns.pre_vjp(
-            h[:, t0:t1], _offset(t0), dq(t0, t1), *own, *call.extras(t0, t1), *params,
+            h[:, t0:t1], call.offset(t0), dq(t0, t1), *own, *call.extras(t0, t1), *params,
             *call.frozen
         )
         grads = [g + d for g, d in zip(grads, rest)]

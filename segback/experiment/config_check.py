@@ -6,6 +6,13 @@ keys, the `1.0e-3` spelling for numbers YAML read as strings), plus the checks a
 express (`min_sources <= max_sources`, finite numbers: JSON Schema's bounds let NaN through, as
 every comparison with NaN is false) and a key given twice in one config file (YAML keeps the
 last silently). All of it runs when the workflow loads, before Snakemake removes any output.
+
+`prepare_config` is what the Snakefile calls: it first turns `--config` strings into the
+schema's types and expands the `dataset` shorthand (`coerce_config`), then checks. The names a
+config may not give (`RESERVED_MODEL_NAMES`, `RESERVED_DATASET_NAMES`) are listed here only.
+`python -m segback.experiment.config_check FILE...` reads config files as YAML and names the
+file, line and column of a syntax error (Snakemake reads `--configfile` files before the
+Snakefile runs and says only that one is not valid YAML); `make run` runs it first.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +101,44 @@ def check_config(config: dict, schema_path: str | Path,
                         f"`train.ranks` ({ranks}) as in mlx_lm.lora: give a multiple of {ranks}")
     problems += _random_only_problems(config.get("models"))
     problems += _model_problems(config)
+    problems += _window_problems(config)
+    if config.get("task") == "generic" and isinstance(config.get("dataset"), dict):
+        problems += _dataset_problems(config["dataset"])
     if problems:
         raise ConfigError("config: " + "\n  ".join(
             ["the workflow cannot run with this config; fix these keys "
-             "(config/config.yaml documents each):", *problems]))
+             "(config/README.md documents each):", *problems]))
 
 
-RESERVED_MODEL_NAMES = ("data", "logs", "benchmarks")  # folders of results/ themselves
+# Names a config may not give, because they are folders beside the ones it names: a model's
+# (results/{model}/) beside results/data, logs and benchmarks; a dataset's
+# (results/{model}/{name}/, task: generic) beside a model's own folders and its seq{N}/ branches.
+RESERVED_MODEL_NAMES = ("data", "logs", "benchmarks")
+RESERVED_DATASET_NAMES = ("model", "data", "baseline", "config", "logs", "benchmarks")
+RESERVED_DATASET_PATTERN = r"seq\d"  # a branch folder, results/{model}/seq{seq}/
+
+
+def reserved_dataset_name(name: str) -> bool:
+    """Whether `dataset.name` would collide with a folder of results/{model}/."""
+    return name in RESERVED_DATASET_NAMES or re.match(RESERVED_DATASET_PATTERN, name) is not None
+
+
+def _dataset_problems(dataset: dict) -> list[str]:
+    """What the schema cannot say about `dataset` (task: generic), one line each."""
+    problems = []
+    if ("path" in dataset) == ("hf" in dataset):
+        problems.append("`dataset`: give `path` (a local directory or data file) or `hf` (a "
+                        "Hugging Face dataset name), " + ("not both" if "path" in dataset
+                                                         else "one of them"))
+    path = dataset.get("path")
+    if isinstance(path, str) and not os.path.exists(os.path.expanduser(path)):
+        problems.append(f"`dataset.path`: {path} not found (a relative path is relative to the "
+                        f"working directory, {os.getcwd()})")
+    name = dataset.get("name", "generic")
+    if isinstance(name, str) and reserved_dataset_name(name):
+        problems.append(f"`dataset.name`: {name!r} is a folder name of results/{{model}}/; "
+                        "choose another")
+    return problems
 
 
 def _model_problems(config: dict) -> list[str]:
@@ -114,6 +154,23 @@ def _model_problems(config: dict) -> list[str]:
     problems += [f"`models.{m}`: {m!r} is reserved (a folder of results/); rename it"
                  for m in RESERVED_MODEL_NAMES if m in models]
     return problems
+
+
+def _window_problems(config: dict) -> list[str]:
+    """Windows cut chunking cases, and only cases longer than a window need cutting."""
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    windows = train.get("window")
+    windows = [w for w in (windows if isinstance(windows, list) else [windows])
+               if isinstance(w, int) and not isinstance(w, bool)]
+    if not windows:
+        return []
+    if config.get("task") == "generic":
+        return ["`train.window`: cuts chunking cases into windows (task: chunking); with task: "
+                "generic leave it out"]
+    seqs = config.get("seq") if isinstance(config.get("seq"), list) else [config.get("seq")]
+    return [f"`train.window`: {w} is not shorter than `seq` {s}: a window that holds the whole "
+            "case is the whole case; give a shorter window or null"
+            for w in windows for s in seqs if isinstance(s, int) and w >= s]
 
 
 def _random_only_problems(models: Any) -> list[str]:
@@ -183,3 +240,135 @@ def duplicate_keys(path: str | Path) -> list[str]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return []  # Snakemake has read it already, or says why it cannot
     return found
+
+
+# ---- what the Snakefile calls ------------------------------------------------------------------
+
+def _dataset_value(key: str, value: Any) -> Any:
+    """A `dataset` value as --config gives it (a string) in the schema's type."""
+    if not isinstance(value, str):
+        return value
+    if key == "mask_prompt" and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if key == "scorer" and value.lower() in ("null", "none", ""):
+        return None
+    if key == "seed" and value.lstrip("-").isdigit():
+        return int(value)
+    if key in ("valid_fraction", "test_fraction"):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def coerce_config(config: dict) -> dict:
+    """`config` (in place) with what `--config` writes as strings in the schema's types.
+
+    `--config seq=[1024,2048]` reads list items as strings (Snakemake parses --config values with
+    YAML's base loader): integer-looking ones become integers. `dataset: my.jsonl` (or
+    `--config dataset=my.jsonl`) is short for {path: ...} when the path exists, else for
+    {hf: ...} (a Hugging Face dataset name), as `segback train --data` reads it; a `dataset`
+    section given as JSON on the command line gets its booleans, numbers and null back."""
+    if isinstance(config.get("seq"), list):
+        config["seq"] = [int(v) if isinstance(v, str) and v.isdigit() else v
+                         for v in config["seq"]]
+    dataset = config.get("dataset")
+    if isinstance(dataset, str):
+        exists = os.path.exists(os.path.expanduser(dataset))
+        config["dataset"] = {"path": dataset} if exists else {"hf": dataset}
+    if isinstance(config.get("dataset"), dict):
+        config["dataset"] = {k: _dataset_value(k, v) for k, v in config["dataset"].items()}
+    return config
+
+
+def prepare_config(config: dict, schema_path: str | Path,
+                   files: list[str | Path] = ()) -> dict:
+    """The workflow's config, coerced (`coerce_config`, in place) and checked (`check_config`):
+    raises ConfigError naming every problem, else returns `config`."""
+    coerce_config(config)
+    check_config(config, schema_path, files)
+    return config
+
+
+def yaml_problem(path: str | Path, error: Exception, text: str = "") -> str:
+    """'FILE, line L, column C: not valid YAML: PROBLEM', with the line itself, for a YAML error
+    (PyYAML keeps the position in problem_mark; its str() says '<unicode string>')."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    if "'\\t'" in problem:
+        problem += " (YAML indents with spaces, not tabs)"
+    context, cmark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and cmark is not None and mark is not cmark:
+        problem += f" ({context} from line {cmark.line + 1})"
+    if mark is None:
+        return f"{path}: not valid YAML: {problem}"
+    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}"
+    lines = text.splitlines()
+    if mark.line < len(lines):
+        where += f"\n    {mark.line + 1} | {lines[mark.line]}"
+    return where
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The YAML file at `path`, or ConfigError naming the file (and the line of a syntax
+    error)."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (UTF-8)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_problem(path, e, text)) from None
+
+
+def check_files(paths: list[str | Path]) -> None:
+    """Raise ConfigError for the config files that are not YAML mappings (naming the file, and
+    the line of a syntax error) or give a key twice; else return."""
+    problems = []
+    for path in paths:
+        try:
+            value = read_yaml(path)
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        if not isinstance(value, dict):
+            what = "empty" if value is None else f"a {type(value).__name__}, not a mapping"
+            problems.append(f"{path}: a config file maps keys to values (config/README.md); "
+                            f"this one is {what}")
+            continue
+        problems += duplicate_keys(path)
+    if problems:
+        raise ConfigError("config: " + "\n  ".join(problems))
+
+
+def checked_configfile(path: str) -> str:
+    """The Snakefile's `configfile:` path, checked first (exits naming the file and line of a
+    YAML error); a path that does not exist is Snakemake's to skip or report."""
+    if os.path.exists(path):
+        try:
+            check_files([path])
+        except ConfigError as e:
+            sys.exit(str(e))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m segback.experiment.config_check FILE...`: exit 1 naming each file that is not a
+    readable YAML mapping (file, line and column of a syntax error) or gives a key twice."""
+    paths = sys.argv[1:] if argv is None else argv
+    try:
+        check_files(paths)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,7 @@
 Reads the baseline and fine-tuned score summaries (`segback score`), the training summary
 (`segback train`'s adapter/train_summary.json), the segment plan (`segback plan`) and, when given,
 Snakemake benchmark files; writes `results/{model}_chunk_score.json` after validating it against
-`segback/result.schema.json`, and optionally a small HTML score table for the report.
+`segback/experiment/result.schema.json`, and optionally a small HTML score table for the report.
 
 `segback summarize --sweep BRANCHES` gathers a sweep's per-branch results into one table
 (`results/sweep_summary.json`, `--markdown`, `--table`): one row per branch with its fine-tuned
@@ -12,7 +12,7 @@ score, valid-JSON rate, peak training memory and training time.
 `segback summarize --task generic` does the same for the workflow's generic task (the user's own
 data): the baseline and fine-tuned held-out loss and perplexity (`segback evaluate`), and, when
 a scorer ran, its scores beside them, into `results/{model}_{dataset}_eval.json`, validated
-against `segback/generic_result.schema.json`. A sweep of such results is tabled by loss.
+against `segback/experiment/generic_result.schema.json`. A sweep of such results is tabled by loss.
 """
 
 from __future__ import annotations
@@ -388,6 +388,8 @@ SWEEP_FIELDS = (
     ("steps", "steps", ("training", "steps"), "steps"),
 )
 SWEEP_KEYS = ("model", "seq", "lora_rank")
+# A sweep over train.window (whole examples vs short windows) names each branch's window too.
+WINDOW_KEY = "window"
 # A generic task's sweep: held-out loss and perplexity (lower is better), and the training figures.
 GENERIC_SWEEP_FIELDS = (
     ("loss", "test loss", ("finetuned", "loss"), "loss"),
@@ -408,15 +410,20 @@ def sweep_fields(sweep_or_result: dict) -> tuple:
     return GENERIC_SWEEP_FIELDS + ((GENERIC_SCORE_FIELD,) if scored else ())
 
 
+def keys_of(rows: list[dict]) -> tuple[str, ...]:
+    """The branch keys of a sweep's rows: model, seq, lora_rank, and window where named."""
+    return SWEEP_KEYS + ((WINDOW_KEY,) if any(WINDOW_KEY in r for r in rows) else ())
+
+
 def sweep_rows(branches: list[dict], read=read_json) -> list[dict]:
-    """One row per branch: its keys (model, seq, lora_rank), the table's figures read from its
-    result JSON (`result`), and that path."""
+    """One row per branch: its keys (model, seq, lora_rank; window when the branch names it),
+    the table's figures read from its result JSON (`result`), and that path."""
     rows = []
     for b in branches:
         if not isinstance(b, dict) or "result" not in b:
             raise ResultError(f"sweep branch {b!r}: expected an object with a `result` path")
         result = read(b["result"])
-        row = {k: b.get(k) for k in SWEEP_KEYS}
+        row = {k: b.get(k) for k in keys_of([b])}
         for name, _, path, _ in sweep_fields(result):
             part = result
             for key in path:
@@ -432,7 +439,8 @@ def sweep_rows(branches: list[dict], read=read_json) -> list[dict]:
 def build_sweep(rows: list[dict], task: str = "chunking") -> dict:
     """The sweep summary: rows, the keys that vary, and the best branch: by fine-tuned score,
     or (generic task) by fine-tuned test loss."""
-    swept = [k for k in SWEEP_KEYS if len({json.dumps(r[k]) for r in rows}) > 1]
+    keys = keys_of(rows)
+    swept = [k for k in keys if len({json.dumps(r.get(k)) for r in rows}) > 1]
     by = "loss" if task == "generic" else "score"
     scored = [r for r in rows if isinstance(r[by], (int, float))]
     pick = min if by == "loss" else max
@@ -443,7 +451,7 @@ def build_sweep(rows: list[dict], task: str = "chunking") -> dict:
     return {
         **head,
         "swept": swept,
-        "best": {k: best[k] for k in (*SWEEP_KEYS, by, "result")} if best else None,
+        "best": {k: best.get(k) for k in (*keys, by, "result")} if best else None,
         "rows": rows,
     }
 
@@ -456,8 +464,10 @@ def _sweep_cell(name: str, fmt_key: str, v: Any) -> str:
 
 def _sweep_table(sweep: dict) -> tuple[list[str], list[list[str]]]:
     fields = sweep_fields(sweep)
-    headers = [*SWEEP_KEYS, *(h for _, h, _, _ in fields)]
-    cells = [[html.escape(str(r[k])) for k in SWEEP_KEYS]
+    keys = keys_of(sweep["rows"])
+    headers = [*keys, *(h for _, h, _, _ in fields)]
+    cells = [[html.escape(str(r.get(k)) if k != WINDOW_KEY or r.get(k) else "whole")
+              for k in keys]
              + [_sweep_cell(name, fk, r[name]) for name, _, _, fk in fields]
              for r in sweep["rows"]]
     return headers, cells
@@ -468,7 +478,8 @@ def _best_line(sweep: dict) -> str:
     what = ("Lowest fine-tuned test loss" if sweep.get("best_by") == "loss"
             else "Best fine-tuned score")
     value = b[sweep.get("best_by", "score")]
-    return (f"{what}: {value} ({b['model']}, seq {b['seq']}, rank {b['lora_rank']}; "
+    window = f", window {b[WINDOW_KEY] or 'whole'}" if WINDOW_KEY in b else ""
+    return (f"{what}: {value} ({b['model']}, seq {b['seq']}, rank {b['lora_rank']}{window}; "
             f"{b['result']}).")
 
 
@@ -511,13 +522,19 @@ def sweep_main(args: argparse.Namespace) -> int:
         if not isinstance(branches, list) or not branches:
             raise ResultError("--sweep expects a JSON list of branches")
         sweep = build_sweep(sweep_rows(branches), getattr(args, "task", "chunking"))
+        by_length = {p: read_json(p) for p in getattr(args, "by_length", None) or []}
     except (OSError, ValueError) as e:  # ResultError and json.JSONDecodeError are ValueErrors
         print(f"segback summarize --sweep: {e}", file=sys.stderr)
         return 1
+    if by_length:  # the arms split by conversation length (`segback compare`)
+        sweep["by_length"] = list(by_length)
     if args.table:
         atomic_write_text(args.table, render_sweep_html(sweep))
     if args.markdown:
-        atomic_write_text(args.markdown, render_sweep_markdown(sweep))
+        from segback.chunking.compare import render_markdown
+
+        atomic_write_text(args.markdown, "\n".join(
+            [render_sweep_markdown(sweep), *(render_markdown(c) for c in by_length.values())]))
     atomic_write_json(args.out, sweep)
     print(f"{args.out}: {len(sweep['rows'])} branches", file=sys.stderr)
     return 0
@@ -553,8 +570,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stamp", action="append", default=[], metavar="PATH",
                         help="a stage's config stamp (segback stamp); repeatable")
     parser.add_argument("--schema", default=None,
-                        help="result JSON Schema (default: segback/result.schema.json, or "
-                             "generic_result.schema.json with --task generic)")
+                        help="result JSON Schema (default: segback/experiment/result.schema.json, "
+                             "or generic_result.schema.json with --task generic)")
     parser.add_argument("--task", choices=("chunking", "generic"), default="chunking",
                         help="generic: the user's own data; --baseline-eval/--finetuned-eval "
                              "(segback evaluate) are the results, --baseline/--finetuned the "
@@ -574,6 +591,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "branches {model, seq, lora_rank, result: result JSON path}")
     parser.add_argument("--markdown", default=None,
                         help="with --sweep: also write the table as Markdown here")
+    parser.add_argument("--by-length", action="append", default=[], metavar="PATH",
+                        help="with --sweep: a `segback compare` JSON to link and (in the "
+                             "Markdown) show beside the table; repeatable")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -97,7 +97,8 @@ GEOMETRIES: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=32000,
         tie_word_embeddings=False,
     ),
-    # A dense model of CPU measurements (16-layer llama, hidden 512, vocab 8192).
+    # The dense model of the early CPU measurements (docs/performance.md, "Early measurements":
+    # 16-layer llama, hidden 512, vocab 8192).
     "dense-512": dict(
         model_type="llama", hidden_size=512, num_hidden_layers=16, intermediate_size=1536,
         num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=8192,

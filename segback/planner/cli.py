@@ -21,6 +21,7 @@ ABSURD_GB = 1 << 16
 def number_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the numbers given (NaN, a negative target, ...), in one line."""
     for flag, v, low, inclusive in (("--seq", args.seq, 2, True), ("--batch", args.batch, 1, True),
+                                    ("--context-parallel", args.context_parallel, 1, True),
                                     ("--target-gb", args.target_gb, 0.0, False),
                                     ("--time-budget", args.time_budget, 1.0, True)):
         if v is None:
@@ -29,6 +30,16 @@ def number_problem(args: argparse.Namespace) -> str | None:
             return (f"{flag} {v}: give a finite number {'>=' if inclusive else '>'} {low:g}"
                     + (" (GB)" if flag == "--target-gb" else ""))
     return None
+
+
+def describe_context(plan) -> str:
+    """What one context-parallel rank holds and sends, for humans."""
+    c = plan.context
+    return (f"context parallel: {c['ranks']} ranks ({c['order']}), {c['shard_tokens']} of "
+            f"{c['seq_len']} tokens each: peak {plan.predicted_peak_gb:.2f} GB per rank "
+            f"(ring K/V buffers {c['ring_buffer_gb']:.2f} GB of it); each rank sends "
+            f"{c['sent_gb_per_step']:.2f} GB per step in {c['messages_per_step']} messages; "
+            f"attention work of the busiest rank {c['balance']:.3f} x the mean")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="compute dtype (default: the checkpoint's, bfloat16 for geometries)")
     parser.add_argument("--out", required=True, help="plan JSON to write")
+    parser.add_argument("--context-parallel", type=int, default=1, metavar="R",
+                        help="plan one rank of R that split each sequence (segback train "
+                        "--context-parallel R): the peak is a rank's, and the plan says how "
+                        "many bytes each rank sends per step")
+    parser.add_argument("--context-order", choices=["zigzag", "contiguous"], default="zigzag",
+                        help="how --context-parallel shards a sequence (as segback train)")
     search = parser.add_argument_group("what the planner chooses")
     search.add_argument("--attention", choices=["fused", "chunked"], default="fused")
     search.add_argument("--tile", default=None,
@@ -96,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
                              EngineOptions.from_dict({"tile": 1, "light_tile":
                                                       args.light_tile}).light_tile,
                              boundaries_on_device=args.boundaries_on_device, options=runtime,
-                             measure=args.measure)
+                             measure=args.measure, context_parallel=args.context_parallel,
+                             context_order=args.context_order)
     except (ValueError, FileNotFoundError, OptionsError, PlanError) as e:  # no traceback
         print(f"segback plan: error: {e}", file=sys.stderr)
         return 2
@@ -116,6 +134,8 @@ def main(args: argparse.Namespace) -> int:
           f"relative step time {plan.predicted_relative_step_time:.2f}"
           + (f", tile {engine.tile}" if engine.tile else "")
           + (f", {plan.predicted_host_gb:.2f} GB in host memory" if engine.offload else ""))
+    if plan.context:
+        print(describe_context(plan))
     if not (plan.meets_target and plan.meets_time_budget):
         print(f"warning: {plan.message}", file=sys.stderr)
     return 0

@@ -439,8 +439,25 @@ class CostModel:
             qkv.append(g.qkv_flops * quant * L * B)
         return np.array(fwd), np.array(bwd), np.array(qkv)
 
+    def head_flops(self) -> float:
+        """The loss head's forward and dX over the batch's rows."""
+        return 2.0 * self.g.hidden * self.g.vocab * self.B * (self.L - 1) * 3
+
+    def reference_flops(self) -> float:
+        """Time-weighted FLOPs of one plain forward+backward with the cheapest kernels: the
+        unit of `relative_step_time`."""
+        ref_fwd, ref_bwd, _ = self._flops(reference=True)
+        return float(ref_fwd.sum() + ref_bwd.sum() + self.head_flops())
+
     def relative_step_time(self, segments: Sequence[tuple[int, int]]) -> float:
-        """Segmented step time over one plain forward+backward (same loss head).
+        """Segmented step time over one plain forward+backward (same loss head):
+        `step_flops` over `reference_flops`, plus a fixed cost per segment (and MLP chunk)."""
+        chunks = -(-self.L // self.mlp_chunk) if self.mlp_chunk and not self.tile else 0
+        return float(self.step_flops(segments) / self.reference_flops()
+                     + SEGMENT_OVERHEAD * (len(segments) + chunks))
+
+    def step_flops(self, segments: Sequence[tuple[int, int]]) -> float:
+        """Time-weighted FLOPs of one segmented step (in units of the linears' FLOPs).
 
         Untiled: the recompute costs one forward in total. Tiled: the forward is the layer's
         own (the post pass's Q/K/V projections feed nothing, so MLX never computes them); a
@@ -450,21 +467,14 @@ class CostModel:
         a fixed cost (TILE_OVERHEAD_TOKENS).
         """
         fwd, bwd, qkv = self._flops()
-        ref_fwd, ref_bwd, _ = self._flops(reference=True)
-        rows = self.B * (self.L - 1)
-        head = 2.0 * self.g.hidden * self.g.vocab * rows * 3  # forward + dX
-        base = ref_fwd.sum() + ref_bwd.sum() + head
-        n_seg = len(segments)
+        head = self.head_flops()
         if not self.tile:  # chunked MLPs run their forward once more, in their VJP
             again = sum(g.mlp_flops for g in self.g.layers) * self.B * self.L \
                 if self.mlp_chunk else 0.0
-            chunks = -(-self.L // self.mlp_chunk) if self.mlp_chunk else 0
             plain = fwd.sum() + bwd.sum() + head  # this plan's kernels, without recompute
-            return float((plain + fwd.sum() + again) / base
-                         + SEGMENT_OVERHEAD * (n_seg + chunks))
+            return float(plain + fwd.sum() + again)
         vjp = fwd + bwd + qkv  # recompute + post/attention/pre VJPs + the pre-VJP's Q/K/V
         inner = sum(fwd[a:b - 1].sum() for a, b in segments)
         tiles = -(-self.L // self.tile)
         per_tile = (fwd.sum() + vjp.sum()) * TILE_OVERHEAD_TOKENS / (self.B * self.L)
-        return float((fwd.sum() + vjp.sum() + inner + head + tiles * per_tile) / base
-                     + SEGMENT_OVERHEAD * n_seg)
+        return float(fwd.sum() + vjp.sum() + inner + head + tiles * per_tile)

@@ -12,7 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from segback.engine.options import EngineOptions
 from segback.engine.plan_file import Plan, segments_of
+from segback.engine.ring_attention import shard_positions
 from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
+from segback.planner.context import RingCostModel
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
 from segback.planner.measure import MEASURE_BUDGET
@@ -42,6 +44,8 @@ def plan_segments(
     options: EngineOptions | None = None,
     measure: int | str = 0,
     measure_budget: float = MEASURE_BUDGET,
+    context_parallel: int = 1,
+    context_order: str = "zigzag",
 ) -> Plan:
     """Plan the segments of a segmented backward and the engine options that run them.
 
@@ -69,6 +73,10 @@ def plan_segments(
     one candidate's warm-up and timed step would not fit); a measured plan over the target is
     not chosen: if none fits, the fastest untimed one whose prediction, scaled by the measured
     overshoot, does. Targets are met with `search.MARGIN` to spare, predicted or measured.
+    `context_parallel` R > 1 plans one rank of R that each run a shard of the sequence
+    (`context_order`) with ring attention (`segback.planner.context`): the plan's peak is a
+    rank's, and its `context` says what each rank sends; it is not timed (`measure`) nor
+    calibrated, which would need the ring.
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
@@ -78,11 +86,20 @@ def plan_segments(
         check_family(model_or_config, "the config")  # before a model is built from it
     from segback.planner.measure import measure_count
 
+    if context_parallel > 1:
+        if calibrate or measure not in (0, "auto"):
+            raise ValueError(f"--context-parallel {context_parallel} plans one rank of a ring: "
+                             "it cannot be calibrated or timed in one process (drop "
+                             "--calibrate and --measure)")
+        measure = 0
+        shard = shard_positions(seq_len, context_parallel, context_order).padded
+    else:
+        shard = seq_len
     measure = measure_count(measure, target_gb)
     runtime = options or EngineOptions()
     tile, offload, boundaries_on_device = search_space(tile, offload, light_tile,
                                                        boundaries_on_device)
-    configs = tile_configs(seq_len, attention, tile, offload, runtime.mlp_chunk)
+    configs = tile_configs(shard, attention, tile, offload, runtime.mlp_chunk)
     if measure and not isinstance(model_or_config, (nn.Module, dict)) \
             and Path(model_or_config).is_dir():  # time it as training loads it
         from segback.models.load import load
@@ -122,9 +139,12 @@ def plan_segments(
     if not given_coef:
         coef = device_coefficients()
     for att, t, off, chunk in configs:  # boundaries on the device are chosen after the cut
+        kw = dict(prefetch=runtime.prefetch and off, host_table=runtime.host_table,
+                  mlp_chunk=chunk)
         cost = CostModel(geom, seq_len, batch_size, att, coef, t, off,
-                         light_tile if t else None, prefetch=runtime.prefetch and off,
-                         host_table=runtime.host_table, mlp_chunk=chunk)
+                         light_tile if t else None, **kw) if context_parallel == 1 else \
+            RingCostModel(geom, seq_len, context_parallel, context_order, batch_size, att,
+                          coef, t, off, light_tile if t else None, **kw)
         if given is None:
             options.append((cost, *choose(cost, target_gb, time_budget)))
             continue
@@ -146,6 +166,8 @@ def plan_segments(
                   quant_bits=quant_bits if quant_bits is not None else
                   (geom.quant_bits[0] if len(geom.quant_bits) == 1 else geom.quant_bits or None),
                   calibration=asdict(coef) if coef.calibrated else None)
+    if context_parallel > 1:
+        inputs |= dict(context_parallel=context_parallel, context_order=context_order)
     best = pick(options, target_gb)
     if not measure or given is not None:
         return finish(*best)
@@ -254,6 +276,7 @@ def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, ta
         message=message,
         layer_types=[g.kind for g in geom.layers],
         inputs=dict(inputs),
+        context=cost.summary(segments) if isinstance(cost, RingCostModel) else {},
     )
 
 

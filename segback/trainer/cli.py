@@ -282,7 +282,8 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = No
             attention=fixed.attention, tile=given.get("tile"),
             offload=given.get("offload", False), light_tile=given.get("light_tile"),
             boundaries_on_device=given.get("boundaries_on_device", "auto"), options=fixed,
-            measure=cfg.measure_plan)
+            measure=cfg.measure_plan, context_parallel=cfg.context_parallel,
+            context_order=cfg.context_order)
     elif isinstance(cfg.plan, str):
         plan = Plan.read(cfg.plan)
         plan = plan.with_engine(EngineOptions.from_dict(
@@ -292,26 +293,36 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = No
                     engine=EngineOptions.from_dict(searched | runtime, "engine options"))
     from segback.planner.geometry import text_parts
 
+    if cfg.context_parallel > 1:
+        check_context(cfg)
     plan.check(n, get_stack(model).layer_types,
                model_type=getattr(text_parts(model)[1], "model_type", None),
-               seq_len=cfg.max_seq_length, batch_size=batch_size)
+               seq_len=shard_length(cfg), batch_size=batch_size)
     if cfg.pack and plan.engine.tile:
         raise TrainConfigError(f"--pack needs an untiled plan (this one has tiles of "
                                f"{plan.engine.tile} tokens): the tiled engine builds no "
                                "block-diagonal masks; leave out --tile, or train unpacked")
-    if cfg.context_parallel > 1:
-        check_context(cfg, plan)
     return plan
 
 
-def check_context(cfg: TrainConfig, plan: Plan) -> None:
+def shard_length(cfg: TrainConfig) -> int:
+    """The longest sequence one rank's engine runs: --max-seq-length, or with
+    --context-parallel its longest shard."""
+    if cfg.context_parallel == 1:
+        return cfg.max_seq_length
+    from segback.engine.ring_attention import shard_positions
+
+    return shard_positions(cfg.max_seq_length, cfg.context_parallel, cfg.context_order).padded
+
+
+def check_context(cfg: TrainConfig) -> None:
     """--context-parallel's limits, the same on every rank (so every rank stops)."""
     from segback.data.dataset import PAD_TO
 
     R = cfg.context_parallel
-    if plan.engine.tile or cfg.pack:
-        raise TrainConfigError(f"--context-parallel {R} runs the untiled engine on unpacked rows: "
-                               "leave out --tile/--offload (a plan without tiles) and --pack")
+    if cfg.pack:
+        raise TrainConfigError(f"--context-parallel {R} trains unpacked rows: leave out --pack "
+                               "(a shard of packed rows would need block-diagonal ring masks)")
     pieces = 2 * R if cfg.context_order == "zigzag" else R
     shortest = min(PAD_TO, cfg.max_seq_length - 1)  # the fewest tokens a batch may have
     if pieces > shortest:

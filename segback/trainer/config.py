@@ -224,7 +224,8 @@ class TrainConfig:
                         "test stay unpacked; needs an untiled plan", group="segback")
     context_parallel: int = option(1, int, "split each sequence over this many ranks of "
                                    "mlx.launch (ring attention, exact); the world is data x "
-                                   "context ranks; untiled plans only", check=at_least(1),
+                                   "context ranks; --plan auto plans each rank's shard; "
+                                   "not with --pack", check=at_least(1),
                                    group="segback")
     context_order: str = option("zigzag", str, "how --context-parallel shards a sequence: "
                                 "zigzag (each rank an early and a late piece: causal work "
@@ -560,9 +561,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise TrainConfigError(f"config file not found: {path}") from None
     try:
         values = json.loads(text) if path.suffix == ".json" else yaml.load(text, _Loader)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise TrainConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
-                               f"({str(e).splitlines()[0]})") from None
+    except json.JSONDecodeError as e:
+        raise TrainConfigError(f"{path}, line {e.lineno}, column {e.colno}: not valid JSON "
+                               f"({e.msg})") from None
+    except yaml.YAMLError as e:  # the file, line and column, and the line itself
+        from segback.experiment.config_check import yaml_problem
+
+        raise TrainConfigError(yaml_problem(path, e, text)) from None
     if values is None:
         return {}
     if not isinstance(values, dict):

@@ -376,25 +376,40 @@ def context_world(world: World, ranks: int, order: str, config: Any,
     ring = Ring(world.group, c, ranks, base + (c - 1) % ranks, base + (c + 1) % ranks, order)
     if ranks > 1:
         with deadline(seconds, world, "to answer a first message (send/recv)"):
-            probe(ring)
+            probe(ring, world)
     return ContextWorld(world.group, data, world.size // ranks, full=world, ring=ring,
                         context=ranks)
 
 
-def probe(ring: Any) -> None:
-    """One small message around the ring, so a backend without send/recv fails here, on
-    every rank, with what to do."""
+def probe(ring: Any, world: World) -> None:
+    """One small message around the ring, then every rank's outcome shared with all of them
+    (an all-gather, which every backend has): a backend or a pair of ranks that cannot send
+    fails here, on every rank, with what to do. Each rank sends, then receives, each tried
+    alone: a message this small leaves without waiting for its receiver, and a receive whose
+    sender could not send fails too (the pair is the same), so no rank waits for a message
+    that never comes, and none is left unread to confuse the collectives after."""
+    kw = {"group": ring.group}
+    problems = []
     try:
-        got = ring.rotate(mx.array([ring.rank], mx.int32))
-        mx.eval(got)
+        mx.eval(mx.distributed.send(mx.array([ring.rank], mx.int32), ring.next, **kw))
     except RuntimeError as e:
+        problems.append(str(e).strip())
+    try:  # also when the send failed: a message from the previous rank is received
+        got = int(mx.distributed.recv_like(mx.array([0], mx.int32), ring.prev, **kw).item())
+        if got != (ring.rank - 1) % ring.size:
+            problems.append(f"its first message came from context rank {got}")
+    except RuntimeError as e:
+        problems.append(str(e).strip())
+    problem = "; ".join(problems)
+    failed = np.array(world.all_gather(mx.array([int(bool(problem))], mx.int32))).reshape(-1)
+    if failed.any():
+        bad = ", ".join(str(r) for r in np.flatnonzero(failed))
         raise DistributedError(
-            f"this mx.distributed backend cannot send between the ranks of a context ring "
-            f"({e}); --context-parallel needs send/recv: launch with --backend ring or mpi "
-            "(the ring backend sends only to neighbouring ranks: with data x context ranks "
-            "use --context-parallel 2, or as many as there are ranks)") from None
-    if int(got.item()) != (ring.rank - 1) % ring.size:
-        raise DistributedError("the context ring's first message came from the wrong rank")
+            f"rank(s) {bad} could not send to or receive from their context ring's neighbours"
+            + (f" ({problem})" if problem else "") + ": --context-parallel needs send/recv "
+            "between the ranks of a ring: launch with --backend ring or mpi (the ring backend "
+            "sends only to neighbouring ranks: with data x context ranks use "
+            "--context-parallel 2, or as many as there are ranks)")
 
 
 @contextmanager

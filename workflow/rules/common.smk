@@ -73,13 +73,14 @@ def result_file(model):
 
 
 # ---- sweeps --------------------------------------------------------------------------------------
-# `model`, `seq` and `train.lora_rank` may each be a list: the DAG then has one branch per
-# combination (models x seqs x ranks), sharing what does not depend on the swept keys (the
-# dataset; per model the checkpoint, test set and baseline; per model and seq the filtered
-# train/valid data). A branch's directory is results/{model}/seq{seq}/, with `-r{rank}` appended
-# only when the rank is swept (results/{model}/seq{seq}-r{rank}/), so the `seq` wildcard is the
-# branch: a training length, optionally followed by the rank. A config without lists has exactly
-# one branch, results/{model}/seq{seq}/, and the usual target results/{model}_chunk_score.json.
+# `model`, `seq`, `train.lora_rank` and `train.window` may each be a list: the DAG then has one
+# branch per combination (models x seqs x windows x ranks), sharing what does not depend on the
+# swept keys (the dataset; per model the checkpoint, test set and baseline; per model and seq the
+# filtered train/valid data). A branch's directory is results/{model}/seq{seq}/, with
+# `-w{window}` appended when it trains on windows of the cases (train.window, task chunking) and
+# `-r{rank}` only when the rank is swept (results/{model}/seq{seq}-w{window}-r{rank}/), so the
+# `seq` wildcard is the branch. A config without lists has exactly one branch,
+# results/{model}/seq{seq}/, and the usual target results/{model}_chunk_score.json.
 def _as_list(value):
     return list(value) if isinstance(value, list) else [value]
 
@@ -88,32 +89,63 @@ MODELS = _as_list(MODEL)
 SEQS = _as_list(SEQ)
 LORA_RANKS = _as_list(TRAIN["lora_rank"])
 RANK_SWEPT = isinstance(TRAIN["lora_rank"], list)
-SWEEP = any(isinstance(v, list) for v in (MODEL, SEQ, TRAIN["lora_rank"]))
+# train.window: null (whole cases), a window length, or a list of them (a sweep); absent = null.
+WINDOW = TRAIN.get("window")
+WINDOWS = _as_list(WINDOW)
+WINDOW_SWEPT = isinstance(WINDOW, list)
+SWEEP = any(isinstance(v, list) for v in (MODEL, SEQ, TRAIN["lora_rank"], WINDOW))
+_BRANCH_TAG = re.compile(r"(\d+)(?:-w(\d+))?(?:-r(\d+))?")
 
 
-def branch_tag(seq, rank):
-    """The `seq` wildcard of a branch: `512`, or `512-r8` when train.lora_rank is swept."""
-    return f"{seq}-r{rank}" if RANK_SWEPT else str(seq)
+def branch_tag(seq, rank, window=None):
+    """The `seq` wildcard of a branch: `512`, `512-w256` for windows of 256 tokens of the cases
+    that fit 512, with `-r8` appended when train.lora_rank is swept."""
+    tag = f"{seq}-w{window}" if window else str(seq)
+    return f"{tag}-r{rank}" if RANK_SWEPT else tag
 
 
 BRANCHES = [
-    {"model": m, "seq": s, "lora_rank": r, "tag": branch_tag(s, r)}
+    {"model": m, "seq": s, "lora_rank": r, "window": w, "tag": branch_tag(s, r, w)}
     for m in MODELS
     for s in SEQS
+    for w in WINDOWS
     for r in LORA_RANKS
 ]
+# The keys naming a branch in the sweep table (the window only where train.window is set).
+BRANCH_KEYS = ("model", "seq", "lora_rank") + (("window",) if "window" in TRAIN else ())
+
+
+def _branch(wildcards):
+    """(seq, window or None, rank or None) named by a branch's `seq` wildcard."""
+    seq, window, rank = _BRANCH_TAG.fullmatch(wildcards.seq).groups()
+    return int(seq), window and int(window), rank and int(rank)
 
 
 def seq_len(wildcards):
-    """The training length of a branch (the `seq` wildcard without its rank)."""
-    return int(wildcards.seq.partition("-r")[0])
+    """The training length of a branch: its window, or its `seq` for whole cases."""
+    seq, window, _ = _branch(wildcards)
+    return window or seq
+
+
+def data_tag(wildcards):
+    """Where a branch's training data lives, seq{data_tag}/data/: the branch without its rank
+    (the ranks of one length and window share their data)."""
+    return wildcards.seq.partition("-r")[0]
+
+
+def batch_size(wildcards):
+    """Rows per micro-batch (the global batch): train.window_batch_size on windows, so a step
+    holds as many tokens as a whole case does; else train.batch_size."""
+    if _branch(wildcards)[1]:
+        return TRAIN.get("window_batch_size", TRAIN["batch_size"])
+    return TRAIN["batch_size"]
 
 
 def lora_rank(wildcards):
     """The LoRA rank of a branch: named in its path, or the configured (single) rank."""
-    _, sep, rank = wildcards.seq.partition("-r")
-    if sep:
-        return int(rank)
+    rank = _branch(wildcards)[2]
+    if rank is not None:
+        return rank
     if RANK_SWEPT:
         raise ValueError(
             f"train.lora_rank is swept ({LORA_RANKS}): name the rank in the path, "
@@ -123,14 +155,15 @@ def lora_rank(wildcards):
 
 
 def single_tag():
-    """The branch of a config that sweeps neither `seq` nor the rank (results/{model}_...)."""
-    if isinstance(SEQ, list) or RANK_SWEPT:
+    """The branch of a config that sweeps neither `seq`, the rank nor the window
+    (results/{model}_...)."""
+    if isinstance(SEQ, list) or RANK_SWEPT or WINDOW_SWEPT:
         raise ValueError(
-            "config sweeps `seq` or `train.lora_rank`: there is no single "
+            "config sweeps `seq`, `train.lora_rank` or `train.window`: there is no single "
             f"{result_file('{model}')}; per-branch results are "
             f"{RUN}/seq{{seq}}/{BRANCH_RESULT}.json, the table {SWEEP_TABLE}.json"
         )
-    return str(SEQ)
+    return branch_tag(SEQ, TRAIN["lora_rank"], WINDOW)
 
 
 def wildcard_tag(wildcards):
@@ -138,16 +171,16 @@ def wildcard_tag(wildcards):
     return wildcards.seq if "seq" in wildcards.keys() else single_tag()
 
 
-# (`model` naming an entry of `models`, reserved names: segback.config_check.)
+# (`model` naming an entry of `models`, reserved names: segback.experiment.config_check.)
 
 
 wildcard_constraints:
     model="|".join(re.escape(m) for m in sorted(config["models"], key=len, reverse=True)),
-    seq=r"\d+(?:-r\d+)?",
+    seq=r"\d+(?:-w\d+)?(?:-r\d+)?",
     split="train|valid",
-    variant=r"baseline|seq\d+(?:-r\d+)?/finetuned",
+    variant=r"baseline|seq\d+(?:-w\d+)?(?:-r\d+)?/finetuned",
     # `train` is the single config's training stamp; `train-seq{seq}` a sweep branch's.
-    stage=r"data|eval|train(?:-seq\d+(?:-r\d+)?)?",
+    stage=r"data|eval|train(?:-seq\d+(?:-w\d+)?(?:-r\d+)?)?",
 
 
 localrules:
@@ -163,9 +196,15 @@ def stage_config(model, stage):
     """The config a stage's outputs depend on, as JSON: the params of its stamp (segback stamp).
     `train-seq{seq}` is a sweep branch's training config (its length and rank)."""
     entry = config["models"][model]
+    if stage == "train" and WINDOW is not None:  # a single config training on windows
+        stage = f"train-seq{single_tag()}"
     if stage.startswith("train-seq"):
         branch = types.SimpleNamespace(seq=stage[len("train-seq"):])
         train = {"model": entry, "seq": seq_len(branch), **TRAIN, "lora_rank": lora_rank(branch)}
+        if "window" in TRAIN:  # the branch's own window, and what it was cut from
+            seq, window, _ = _branch(branch)
+            train |= {"window": window, "batch_size": batch_size(branch)}
+            train |= {"window_of_seq": seq} if window else {}
         return json.dumps(train, sort_keys=True)
     parts = {
         "data": {"dataset": DATASET} if GENERIC else {"data": DATA},
@@ -291,7 +330,8 @@ def benchmark_files(model, seq):
     """NAME=PATH pairs of every stage benchmark behind a result; `seq` is the branch."""
     b = "results/benchmarks"
     s = f"{b}/{model}/seq{seq}"
-    seq_only = str(seq).partition("-r")[0]  # filter_data is shared by the ranks of a length
+    seq_only = str(seq).split("-")[0]  # filter_data is shared by the ranks and windows of a length
+    data = str(seq).partition("-r")[0]  # window_data by the ranks of a window
     stages = {
         "prepare_model": f"{b}/{model}/prepare_model.tsv",
         "build_dataset": f"{b}/data/build_dataset.tsv",
@@ -307,6 +347,9 @@ def benchmark_files(model, seq):
         "score_finetuned": f"{s}/finetuned/score.tsv",
         "plots": f"{s}/plots.tsv",
     }
+    if data != seq_only:
+        stages |= {f"window_data_{split}": f"{b}/{model}/seq{data}/window_data_{split}.tsv"
+                   for split in ("train", "valid")}
     if GENERIC:
         stages = generic_benchmarks(model, seq)
     if TRAIN["plan"] != "auto":

@@ -2,6 +2,17 @@
 # The test split is filtered at eval.max_prompt_tokens, so the held-out set never depends on
 # `seq`; train/valid are filtered at the training length and live under seq{seq}/ (one copy per
 # model and length, shared by the branches of a swept train.lora_rank, seq{seq}-r{rank}/).
+# data.min_tokens also drops the cases shorter than that from every split (the long-context
+# variant, config/long.yaml). A branch trained on windows (train.window) reads its cases cut
+# into windows, seq{seq}-w{window}/data/ (window_data).
+
+# `--min-tokens` only where data.min_tokens is set, so configs without it keep their params.
+MIN_TOKENS = (
+    {"min_tokens": f"--min-tokens {int(DATA['min_tokens'])}"}
+    if DATA.get("min_tokens") is not None
+    else {}
+)
+MIN_TOKENS_FLAG = " {params.min_tokens}" if MIN_TOKENS else ""
 
 
 rule build_dataset:
@@ -47,6 +58,7 @@ rule filter_test:
         report="results/{model}/data/test.report.json",
     params:
         max_tokens=EVAL["max_prompt_tokens"],
+        **MIN_TOKENS,
     log:
         "results/logs/{model}/filter_test.log",
     benchmark:
@@ -56,8 +68,8 @@ rule filter_test:
         mem_mb=MEM_MB,
     shell:
         "segback filter-data --model {input.model} --data {input.data}"
-        " --max-tokens {params.max_tokens} --out {output.data} --report {output.report}"
-        " > {log} 2>&1"
+        " --max-tokens {params.max_tokens}" + MIN_TOKENS_FLAG + " --out {output.data}"
+        " --report {output.report} > {log} 2>&1"
 
 
 rule filter_data:
@@ -71,6 +83,7 @@ rule filter_data:
         report="results/{model}/seq{seq}/data/{split}.report.json",
     params:
         max_tokens=lambda w: int(w.seq),
+        **MIN_TOKENS,
     log:
         "results/logs/{model}/seq{seq}/filter_data_{split}.log",
     benchmark:
@@ -80,5 +93,30 @@ rule filter_data:
         mem_mb=MEM_MB,
     shell:
         "segback filter-data --model {input.model} --data {input.data}"
-        " --max-tokens {params.max_tokens} --out {output.data} --report {output.report}"
-        " > {log} 2>&1"
+        " --max-tokens {params.max_tokens}" + MIN_TOKENS_FLAG + " --out {output.data}"
+        " --report {output.report} > {log} 2>&1"
+
+
+# The cases of a length cut into windows of at most {window} tokens, each window a training
+# example whose gold is the chunks inside it (segback/chunking/windows.py): the training data
+# of a user whose memory stops at the window.
+rule window_data:
+    wildcard_constraints:
+        seq=r"\d+",
+        window=r"\d+",
+    input:
+        model="results/{model}/model",
+        data="results/{model}/seq{seq}/data/{split}.jsonl",
+    output:
+        data="results/{model}/seq{seq}-w{window}/data/{split}.jsonl",
+        report="results/{model}/seq{seq}-w{window}/data/{split}.report.json",
+    log:
+        "results/logs/{model}/seq{seq}-w{window}/window_data_{split}.log",
+    benchmark:
+        "results/benchmarks/{model}/seq{seq}-w{window}/window_data_{split}.tsv"
+    threads: 1
+    resources:
+        mem_mb=MEM_MB,
+    shell:
+        "segback window-data --model {input.model} --data {input.data} --window {wildcards.window}"
+        " --out {output.data} --report {output.report} > {log} 2>&1"

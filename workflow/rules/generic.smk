@@ -7,7 +7,7 @@
 # also generated and scored, as in the chunking experiment. Planning, training, export, plots
 # and config stamps are the shared rules (train.smk, results.smk), under RUN =
 # results/{model}/{dataset.name}. The result is results/{model}_{name}_eval.json, validated
-# against segback/generic_result.schema.json.
+# against segback/experiment/generic_result.schema.json.
 
 
 def dataset_source():

@@ -1,6 +1,6 @@
 # Report figures and the final result. The figures (plots) and the config stamps serve both
 # tasks. task: chunking: results/{model}_chunk_score.json (validated against
-# segback/result.schema.json) and its HTML score table. summarize takes the configured
+# segback/experiment/result.schema.json) and its HTML score table. summarize takes the configured
 # `seq`, so changing `seq` re-runs it (its inputs change). A sweep (common.smk) summarizes each
 # branch into results/{model}/seq{seq}/chunk_score.json (summarize_branch) and gathers the
 # branches into results/sweep_summary.{json,md,html} (sweep_summary). task: generic has its own
@@ -118,10 +118,69 @@ if not GENERIC:
             "results/benchmarks/{model}/seq{seq}/summarize.tsv"
 
 
-    # The sweep's table: one row per branch (score, valid-JSON rate, peak memory, training time).
+    # eval.length_buckets: the baseline and every branch of a model side by side on its test
+    # set, split by conversation length (segback compare); a sweep's table shows them too.
+    BUCKETS = EVAL.get("length_buckets")
+
+
+    def arm_name(branch):
+        """A branch's name in the comparison: how it was trained (whole cases or windows)."""
+        if branch["window"]:
+            name = f"windows {branch['window']}" + (f" of {branch['seq']}" if len(SEQS) > 1 else "")
+        else:
+            name = f"whole {branch['seq']}"
+        return name + (f" r{branch['lora_rank']}" if RANK_SWEPT else "")
+
+
+    def arms_of(model):
+        """The baseline and the branches of `model`, as `segback compare --arms` takes them."""
+        arms = [{"name": "baseline", "score": f"results/{model}/baseline/score.json"}]
+        for b in BRANCHES:
+            if b["model"] == model:
+                run = f"results/{model}/seq{b['tag']}"
+                arms.append({"name": arm_name(b), "score": f"{run}/finetuned/score.json",
+                             "train_summary": f"{run}/adapter/train_summary.json"})
+        return arms
+
+
+    if BUCKETS:
+
+        rule compare_arms:
+            input:
+                data="results/{model}/data/test.jsonl",
+                scores=lambda w: [a["score"] for a in arms_of(w.model)],
+                adapters=lambda w: [f"results/{w.model}/seq{b['tag']}/adapter"
+                                    for b in BRANCHES if b["model"] == w.model],
+            output:
+                json="results/{model}_by_length.json",
+                markdown="results/{model}_by_length.md",
+                table=report(
+                    "results/{model}_by_length.html",
+                    category="Scores",
+                    labels={"model": "{model}", "table": "arms by conversation length"},
+                ),
+            params:
+                arms=lambda w: json.dumps(arms_of(w.model)),
+                buckets=",".join(str(int(edge)) for edge in BUCKETS),
+            log:
+                "results/logs/{model}/compare_arms.log",
+            benchmark:
+                "results/benchmarks/{model}/compare_arms.tsv"
+            threads: 1
+            resources:
+                mem_mb=1000,
+            shell:
+                "segback compare --data {input.data} --arms {params.arms:q}"
+                " --buckets {params.buckets} --out {output.json} --markdown {output.markdown}"
+                " --table {output.table} > {log} 2>&1"
+
+
+    # The sweep's table: one row per branch (score, valid-JSON rate, peak memory, training time),
+    # and with eval.length_buckets each model's arms by conversation length.
     rule sweep_summary:
         input:
             [f"results/{b['model']}/seq{b['tag']}/chunk_score.json" for b in BRANCHES],
+            **({"by_length": [f"results/{m}_by_length.json" for m in MODELS]} if BUCKETS else {}),
         output:
             json="results/sweep_summary.json",
             markdown="results/sweep_summary.md",
@@ -133,7 +192,7 @@ if not GENERIC:
         params:
             branches=json.dumps(
                 [
-                    {k: b[k] for k in ("model", "seq", "lora_rank")}
+                    {k: b[k] for k in BRANCH_KEYS}
                     | {"result": f"results/{b['model']}/seq{b['tag']}/chunk_score.json"}
                     for b in BRANCHES
                 ]
@@ -147,4 +206,5 @@ if not GENERIC:
             mem_mb=1000,
         shell:
             "segback summarize --sweep {params.branches:q} --out {output.json}"
-            " --markdown {output.markdown} --table {output.table} > {log} 2>&1"
+            + (" $(printf -- '--by-length %s ' {input.by_length})" if BUCKETS else "")
+            + " --markdown {output.markdown} --table {output.table} > {log} 2>&1"

@@ -1,8 +1,9 @@
 # Plan segments for the training length, train the LoRA adapter with segmented backward, and
 # export it (mlx-lm layout + PEFT). All outputs live under the branch's directory
 # {RUN}/seq{seq}/ (RUN: results/{model}, or results/{model}/{dataset.name} for task: generic),
-# where the `seq` wildcard is the training length followed by `-r{rank}` when train.lora_rank
-# is swept (common.smk: seq_len, lora_rank).
+# where the `seq` wildcard is the case length, followed by `-w{window}` for a branch trained on
+# windows of the cases (train.window) and `-r{rank}` when train.lora_rank is swept (common.smk:
+# seq_len is the training length, the window where there is one; data_tag, lora_rank).
 
 
 rule plan_segments:
@@ -17,7 +18,7 @@ rule plan_segments:
         ),
     params:
         seq=seq_len,
-        batch=TRAIN["batch_size"] // RANKS,  # what each rank runs: batch_size is the global one
+        batch=lambda w: batch_size(w) // RANKS,  # each rank's rows: batch_size is global
         lora_rank=lora_rank,
         lora_layers=opt(
             "--lora-layers", None if TRAIN["num_layers"] == -1 else TRAIN["num_layers"]
@@ -46,8 +47,8 @@ rule plan_segments:
 rule train_lora:
     input:
         model="results/{model}/model",
-        train=lambda w: f"{run_dir(w.model)}/seq{seq_len(w)}/data/train.jsonl",
-        valid=lambda w: f"{run_dir(w.model)}/seq{seq_len(w)}/data/valid.jsonl",
+        train=lambda w: f"{run_dir(w.model)}/seq{data_tag(w)}/data/train.jsonl",
+        valid=lambda w: f"{run_dir(w.model)}/seq{data_tag(w)}/data/valid.jsonl",
         plan=lambda w: plan_file(w.model, w.seq),
     output:
         adapter=directory(RUN + "/seq{seq}/adapter"),
@@ -56,7 +57,7 @@ rule train_lora:
         data=lambda w, input: os.path.dirname(input.train),
         seq=seq_len,
         iters=TRAIN["iters"],
-        batch_size=TRAIN["batch_size"],
+        batch_size=batch_size,  # windows: train.window_batch_size
         grad_accumulation_steps=TRAIN["grad_accum"],
         learning_rate=TRAIN["learning_rate"],
         warmup=TRAIN["warmup"],
