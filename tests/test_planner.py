@@ -374,7 +374,8 @@ def test_measured_choice_bisects_a_configuration_for_its_fastest_plan_within_the
     """Plans of one configuration get smaller along the cost model's order: over the target at
     its fastest, the search times the smallest, then bisects, instead of timing every cut."""
     from segback.engine.plan_file import Plan
-    from segback.planner.measure import MARGIN, measure_plan, measured_pick
+    from segback.planner.measure import measure_plan, measured_pick
+    from segback.planner.search import MARGIN
 
     model = build_model("tiny-llama")
     model.freeze()

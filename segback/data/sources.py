@@ -30,6 +30,7 @@ from typing import Any
 from segback.data.dataset import DataError, TokenDataset, one_line
 from segback.data.formats import (DataFormat, RawSplit, fit, row_format, tokenize_split,
                                   unknown_format)
+from segback.models import hub
 
 SPLITS = ("train", "valid", "test")
 SPLIT_NAMES = {"train": ("train",), "valid": ("valid", "validation"), "test": ("test",)}
@@ -112,8 +113,7 @@ def arrow_split(ds: Any, name: str, fmt: DataFormat) -> RawSplit:
 def arrow_splits(data: Any, name: str, splits: Sequence[str], fmt: DataFormat
                  ) -> dict[str, list[RawSplit]]:
     """{split: [RawSplit]} of a DatasetDict (or a Dataset: the train split)."""
-    import datasets
-
+    datasets = _datasets()
     found = {"train": data} if isinstance(data, datasets.Dataset) else dict(data)
     out: dict[str, list[RawSplit]] = {}
     for split in splits:
@@ -125,12 +125,15 @@ def arrow_splits(data: Any, name: str, splits: Sequence[str], fmt: DataFormat
     return out
 
 
-def _offline() -> bool:
+def _datasets() -> Any:
+    """The `datasets` package, imported only for the sources that need it (it takes seconds)."""
     import datasets
 
-    from segback.models.prepare import _offline as hub_offline
+    return datasets
 
-    return bool(datasets.config.HF_HUB_OFFLINE) or hub_offline()
+
+def _offline() -> bool:
+    return bool(_datasets().config.HF_HUB_OFFLINE) or hub.offline()
 
 
 def load_hub(name: str, **kwargs: Any) -> Any:
@@ -138,11 +141,8 @@ def load_hub(name: str, **kwargs: Any) -> Any:
 
     When the Hub cannot be reached, read the cache only (a request there can hang for minutes).
     """
-    import datasets
-
-    from segback.models.prepare import _unreachable
-
-    unreachable = None if _offline() else _unreachable(5.0)
+    datasets = _datasets()
+    unreachable = None if _offline() else hub.unreachable(5.0)
     print(f"segback: loading Hugging Face dataset {name}", file=sys.stderr)
     was = datasets.config.HF_HUB_OFFLINE
     try:
@@ -168,8 +168,7 @@ def _read_with_datasets(load: Any, name: str) -> Any:
 
 def read_dir(path: Path, splits: Sequence[str], fmt: DataFormat) -> dict[str, list[RawSplit]]:
     """mlx-lm's {train,valid,test}.jsonl; else a `save_to_disk` copy; else data files."""
-    import datasets
-
+    datasets = _datasets()
     files = {s: path / f"{s}.jsonl" for s in SPLITS}
     if any(f.exists() for f in files.values()):
         if "train" in splits and not files["train"].exists():
@@ -189,8 +188,7 @@ def read_dir(path: Path, splits: Sequence[str], fmt: DataFormat) -> dict[str, li
 
 def read_file(path: Path, splits: Sequence[str], fmt: DataFormat) -> dict[str, list[RawSplit]]:
     """A single data file: the train split only."""
-    import datasets
-
+    datasets = _datasets()
     if "valid" in splits:
         print(f"segback: {path} is a single file: it is the train split, and there is no "
               "validation (put train.jsonl and valid.jsonl in a directory for one)",

@@ -18,8 +18,8 @@ from segback.planner.context import RingCostModel
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
 from segback.planner.measure import MEASURE_BUDGET
-from segback.planner.search import (choose, most_kept, pick, search_space, tile_configs,
-                                    within)
+from segback.planner.search import (best_by_count, choose, engine_label, most_kept, pick,
+                                    search_space, tile_configs, within)
 
 
 def plan_segments(
@@ -172,11 +172,10 @@ def plan_segments(
     if not measure or given is not None:
         return finish(*best)
     from segback.planner.measure import MEASURE_STEPS, measured_pick
-    from segback.planner.search import _best_by_count
 
     candidates = []
     for cost, *_ in options:
-        for segs in _best_by_count(cost).values():
+        for segs in best_by_count(cost).values():
             peak = cost.evaluate(segs)["peak"]
             if within(peak, target_gb):
                 candidates.append((cost.relative_step_time(segs), peak, cost, segs))
@@ -227,14 +226,6 @@ def corrected_pick(candidates: list[tuple], records: list[dict], target_gb: floa
     return low["plan"], (f"{message}; none within {target_gb:g} GB, measured or predicted "
                          f"x {ratio:.3f} (the measured overshoot): the smallest measured peak, "
                          f"{low['peak_gb']:.2f} GB")
-
-
-def engine_label(tile: int | None, offload: bool, mlp_chunk: int | None = None) -> str:
-    """"untiled", "untiled, MLP chunks of 1024", "tile 2048" or "tile 2048, offload": how a
-    plan runs its layers."""
-    if tile:
-        return f"tile {tile}" + (", offload" if offload else "")
-    return "untiled" + (f", MLP chunks of {mlp_chunk}" if mlp_chunk else "")
 
 
 def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, target_gb,
