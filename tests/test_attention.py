@@ -14,6 +14,8 @@ from segback.engine.attention import (
     attention_forward,
     chunked_sdpa,
     default_chunk_size,
+    mlx_causal,
+    mlx_heads_per_call,
     sdpa_for_mlx_lm,
     use_attention,
 )
@@ -171,3 +173,30 @@ def test_patch_is_exact_on_mlx_lm_models(geometry, module):
     atol = RTOL * max(mx.abs(g).max().item() for g in want_flat.values())
     for name, g in tree_flatten(got_grads):
         _assert_close(g, want_flat[name], rtol=5 * RTOL, atol=atol)
+
+
+@pytest.mark.parametrize("H,Hkv,limit,heads", [
+    (8, 2, 8 * 100 * 16, 8),   # fits: one call
+    (8, 2, 4 * 100 * 16, 4),   # whole KV groups of 4 query heads (2 calls, one KV head each)
+    (8, 2, 2 * 100 * 16, 2),   # half a KV group a call
+    (8, 4, 4 * 100 * 16, 4),   # two KV heads a call
+    (6, 6, 3 * 100 * 16, 3),   # no GQA
+])
+def test_mlx_causal_head_groups_equal_one_call(H, Hkv, limit, heads):
+    """Past cuDNN's accumulator limit the fused call runs as head groups: the same values and
+    gradients as one call over all heads, and the group size is the largest that fits."""
+    L, D = 100, 16  # padded to 128 inside
+    assert mlx_heads_per_call(1, H, Hkv, 128, D, limit * 128 // 100) == heads
+    q, k, v, ct = _inputs(1, H, Hkv, L, D, seed=H + Hkv)
+    scale = D ** -0.5
+
+    def run(max_elements):
+        def f(q, k, v):
+            return (mlx_causal(q, k, v, scale, max_elements) * ct).sum()
+        return mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    (want, dwant), (got, dgot) = run(1 << 40), run(limit * 128 // 100)
+    _assert_close(got, want)
+    for g, w in zip(dgot, dwant):
+        _assert_close(g, w)
+    _assert_close(mlx_causal(q, k, v, scale), _reference(q, k, v, scale, None))

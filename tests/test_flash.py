@@ -70,17 +70,21 @@ def test_block_ranges_cover_every_visible_pair(B, H, Hkv, L, D, window, packed):
         assert (kr[:, 1] <= np.minimum(np.arange(len(kr)) * bq + bq, L)).all()
 
 
-@pytest.mark.parametrize("B,H,Hkv,L,D,window,packed", CASES)
-def test_blocked_algorithm_equals_dense_attention(B, H, Hkv, L, D, window, packed):
-    mx.random.seed(0)
+def _inputs(seed, B, H, Hkv, L, D, window, packed):
+    """Random Q, K, V, dO of one case, its scale, packing and dense visibility."""
+    mx.random.seed(seed)
     q = mx.random.normal((B, H, L, D))
     k = mx.random.normal((B, Hkv, L, D))
     v = mx.random.normal((B, Hkv, L, D))
     do = mx.random.normal((B, H, L, D))
-    scale = D ** -0.5
     seg = _segments(B, L, 1) if packed else None
     blocks = Blocks(seg) if packed else None
-    vis = _dense_visible(L, L, window, seg)
+    return q, k, v, do, D ** -0.5, seg, blocks, _dense_visible(L, L, window, seg)
+
+
+@pytest.mark.parametrize("B,H,Hkv,L,D,window,packed", CASES)
+def test_blocked_algorithm_equals_dense_attention(B, H, Hkv, L, D, window, packed):
+    q, k, v, do, scale, seg, blocks, vis = _inputs(0, B, H, Hkv, L, D, window, packed)
 
     o, lse = flash.reference_forward(q, k, v, scale, window, blocks, bk=32)
     want_o, want_lse = _dense(q, k, v, scale, vis)
@@ -156,15 +160,7 @@ def test_v2_tiling_equals_dense_attention(B, H, Hkv, L, D, window, packed, D_til
     """The blocked algorithm with v2's block sizes (128-row query blocks, dQ tiled unlike
     dK/dV) still equals dense attention: its block ranges cover every visible pair."""
     cfg = V2_TILES[D_tiles]
-    mx.random.seed(1)
-    q = mx.random.normal((B, H, L, D))
-    k = mx.random.normal((B, Hkv, L, D))
-    v = mx.random.normal((B, Hkv, L, D))
-    do = mx.random.normal((B, H, L, D))
-    scale = D ** -0.5
-    seg = _segments(B, L, 1) if packed else None
-    blocks = Blocks(seg) if packed else None
-    vis = _dense_visible(L, L, window, seg)
+    q, k, v, do, scale, seg, blocks, vis = _inputs(1, B, H, Hkv, L, D, window, packed)
 
     o, lse = flash.reference_forward(q, k, v, scale, window, blocks, bk=cfg["fwd_bk"],
                                      bq=cfg["fwd_bq"])
@@ -197,3 +193,272 @@ def test_v2_layout_fits_the_device():
             assert all(r % step == 0 for r in rows)
         assert (cfg["fwd_bk"] // cfg["fwd_wn"]) % 16 == 0
         assert (cfg["dq_bk"] // cfg["dq_wn"]) % 16 == 0
+
+
+# --- the CUDA kernels' block loops, simulated index by index --------------------------------
+# A model of each kernel's grid and loops (flash_attention.cuh = v1, flash_attention_v2.cuh =
+# v2) as the launch in flash.py sets them up: the host's block ranges, the kernel's start
+# (C division, truncating toward zero), every row its guarded loads read, every (query, key)
+# pair its mask lets through and every tile it treats as wholly visible (v2's mask skip).
+# Checked: every read index lies in [0, Lq) / [0, Lk), every visible pair is taken exactly
+# once by each kernel and no invisible one ever, every output row is written exactly once.
+
+
+def _ctrunc(a: int, b: int) -> int:
+    """C's a / b * b for ints (toward zero)."""
+    return (abs(a) // b) * b * (1 if a >= 0 else -1)
+
+
+class _Sim:
+    def __init__(self, Lq, Lk, W, seg):
+        self.Lq, self.Lk, self.W, self.off = Lq, Lk, W, Lk - Lq
+        self.vis = _dense_visible(Lq, Lk, W, seg)  # [B or 1, Lq, Lk]
+        self.seg = seg
+        self.taken = np.zeros(self.vis.shape, np.int32)
+
+    def read(self, what, r0, rows, n):
+        """A guarded tile load (load_tile / async_tile / the lse loads): rows r0 + r < n."""
+        idx = r0 + np.arange(rows)
+        idx = idx[idx < n]
+        assert (idx >= 0).all(), f"{what} reads row {idx.min()} (tile at {r0})"
+
+    def take(self, i0, ni, j0, nj):
+        """The mask (`visible`) over rows i0.. x keys j0..: what it lets through is taken."""
+        assert i0 >= 0 and j0 >= 0, f"mask at row {i0}, key {j0}"
+        i1, j1 = min(i0 + ni, self.Lq), min(j0 + nj, self.Lk)
+        if i1 > i0 and j1 > j0:
+            self.taken[:, i0:i1, j0:j1] += self.vis[:, i0:i1, j0:j1]
+
+    def full(self, i0, ni, j0, nj):
+        """v2's all_visible(i0, ni, j0, nj): where true the mask is skipped (SEG = 0 only)."""
+        Lq, Lk, off, W = self.Lq, self.Lk, self.off, self.W or 0
+        ok = (i0 + ni <= Lq and j0 + nj <= Lk and j0 + nj - 1 <= i0 + off
+              and (W == 0 or j0 > i0 + ni - 1 + off - W))
+        if ok and self.seg is None:
+            assert self.vis[0, i0:i0 + ni, j0:j0 + nj].all(), (i0, ni, j0, nj)
+        return ok
+
+    def done(self, name):
+        bad = np.argwhere(self.taken != self.vis)
+        assert not len(bad), (f"{name}: pair (b, i, j) {tuple(bad[0])} taken "
+                              f"{self.taken[tuple(bad[0])]} times, visible "
+                              f"{self.vis[tuple(bad[0])]}")
+
+
+def _ranges(sim, bq, bk, blocks):
+    """The host's ranges; each must lie in [0, Lk] / [0, Lq] with lo <= hi by itself (the
+    kernels clamp them as well, below, so a host slip alone would not show as a bad read)."""
+    first, last = (None, None) if blocks is None else (blocks.first, blocks.last)
+    kr, qr = flash.block_ranges(sim.Lq, sim.Lk, sim.W, bq, bk, first, last)
+    for r, n in ((kr, sim.Lk), (qr, sim.Lq)):
+        assert ((0 <= r[:, 0]) & (r[:, 0] <= r[:, 1]) & (r[:, 1] <= n)).all(), r
+    return kr, qr
+
+
+def _clamp(r, b, n):
+    """The kernels' `max(r[2 b], 0), min(r[2 b + 1], n)`."""
+    return max(int(r[b, 0]), 0), min(int(r[b, 1]), n)
+
+
+def _rows_written(n, blocks_of, grid):
+    assert grid == -(-n // blocks_of)  # every output row by exactly one CTA
+
+
+def _sim_forward_v1(sim, D, blocks, kind="forward"):
+    cfg, BQ = flash._tiles(D), flash.BQ
+    BK = cfg["fwd_bk"] if kind == "forward" else cfg["dq_bk"]
+    kr, _ = _ranges(sim, BQ, BK, blocks)
+    grid = -(-sim.Lq // BQ)  # (nqb * 128, B * H, split) / 128 threads
+    _rows_written(sim.Lq, BQ, grid)
+    assert len(kr) == grid
+    for qb in range(grid):
+        q0 = qb * BQ
+        sim.read("Q", q0, BQ, sim.Lq)
+        if kind == "dq":
+            sim.read("dO", q0, BQ, sim.Lq)
+        kstart, kend = _clamp(kr, qb, sim.Lk)
+        for k0 in range(_ctrunc(kstart, BK), kend, BK):
+            sim.read("K", k0, BK, sim.Lk)
+            sim.read("V", k0, BK, sim.Lk)
+            sim.take(q0, BQ, k0, BK)
+    sim.done(f"v1 {kind} D={D}")
+
+
+def _sim_dkdv_v1(sim, D, blocks):
+    cfg = flash._tiles(D)
+    BKV, BQ = cfg["bkv"], cfg["dkdv_bq"]
+    _, qr = _ranges(sim, BQ, BKV, blocks)
+    grid = -(-sim.Lk // BKV)
+    _rows_written(sim.Lk, BKV, grid)
+    assert len(qr) == grid
+    for kb in range(grid):
+        k0 = kb * BKV
+        sim.read("K", k0, BKV, sim.Lk)
+        sim.read("V", k0, BKV, sim.Lk)
+        qstart, qend = _clamp(qr, kb, sim.Lq)
+        q0 = _ctrunc(qstart, BQ)
+        while q0 < qend:
+            for what in ("Q", "dO", "lse", "delta"):
+                sim.read(what, q0, BQ, sim.Lq)
+            sim.take(q0, BQ, k0, BKV)
+            q0 += BQ
+    sim.done(f"v1 dkdv D={D}")
+
+
+def _sim_forward_v2(sim, D, blocks, kind="forward_v2"):
+    cfg = flash._tiles_v2(D)
+    pre = "fwd" if kind == "forward_v2" else "dq"
+    BQ, BK, WN = cfg[pre + "_bq"], cfg[pre + "_bk"], cfg[pre + "_wn"]
+    KW = BK // WN
+    kr, _ = _ranges(sim, BQ, BK, blocks)
+    grid = len(kr)
+    _rows_written(sim.Lq, BQ, grid)
+    for bx in range(grid):
+        qb = grid - 1 - bx  # heaviest first
+        q0 = qb * BQ
+        kstart, kend = _clamp(kr, qb, sim.Lk)
+        kfirst = _ctrunc(kstart, BK)
+        sim.read("Q", q0, BQ, sim.Lq)
+        sim.read("K", kfirst, BK, sim.Lk)  # issued before the loop, whether it runs or not
+        if kind == "dq_v2":
+            sim.read("dO", q0, BQ, sim.Lq)
+            sim.read("V", kfirst, BK, sim.Lk)
+            assert q0 >= 0  # its lse / delta loads: rows q0.. guarded by r < Lq
+        k0 = kfirst
+        while k0 < kend:
+            if kind == "forward_v2":
+                sim.read("V", k0, BK, sim.Lk)
+            if k0 + BK < kend:
+                sim.read("K", k0 + BK, BK, sim.Lk)
+                if kind == "dq_v2":
+                    sim.read("V", k0 + BK, BK, sim.Lk)
+            for wm in range(BQ // 16):
+                for wn in range(WN):
+                    rw, c0 = q0 + wm * 16, k0 + wn * KW
+                    sim.full(rw, 16, c0, KW)  # skipping the mask: only where all visible
+                    sim.take(rw, 16, c0, KW)
+            k0 += BK
+    sim.done(f"v2 {kind} D={D}")
+
+
+def _sim_dkdv_v2(sim, D, blocks):
+    cfg = flash._tiles_v2(D)
+    BKV, BQ = cfg["bkv"], cfg["dkdv_bq"]
+    NKG = BKV // 16
+    NCG = 8 // NKG
+    NT = (BQ // 8) // NCG
+    _, qr = _ranges(sim, BQ, BKV, blocks)
+    grid = len(qr)
+    _rows_written(sim.Lk, BKV, grid)
+    for kb in range(grid):
+        k0 = kb * BKV
+        qstart, qend = _clamp(qr, kb, sim.Lq)
+        qfirst = _ctrunc(qstart, BQ)
+        nqb = (qend - qfirst + BQ - 1) // BQ if qend > qfirst else 0
+        sim.read("K", k0, BKV, sim.Lk)
+        sim.read("V", k0, BKV, sim.Lk)
+        for it in range(nqb):  # one head of the group (the others repeat the same tiles)
+            q0 = qfirst + it * BQ
+            for what in ("Q", "dO"):
+                sim.read(what, q0, BQ, sim.Lq)
+            i = np.arange(BQ)
+            at = np.where(q0 + i < sim.Lq, q0 + i, 0)  # cp_async4's clamped lse / delta index
+            assert (at >= 0).all() and (at < sim.Lq).all(), f"lse at {at.min()}"
+            for kg in range(NKG):
+                for cg in range(NCG):
+                    sim.full(q0 + cg * NT * 8, NT * 8, k0 + kg * 16, 16)
+            sim.take(q0, BQ, k0, BKV)
+    sim.done(f"v2 dkdv D={D}")
+
+
+def _simulate_all(B, Lq, Lk, window, packed, seed=0):
+    W = flash._window(window, Lk)
+    seg = _segments(B, Lk, seed) if packed else None
+    blocks = Blocks(seg) if packed else None
+    for D in flash.HEAD_DIMS:
+        for run in (lambda s: _sim_forward_v1(s, D, blocks),
+                    lambda s: _sim_forward_v1(s, D, blocks, "dq"),
+                    lambda s: _sim_dkdv_v1(s, D, blocks),
+                    lambda s: _sim_forward_v2(s, D, blocks),
+                    lambda s: _sim_forward_v2(s, D, blocks, "dq_v2"),
+                    lambda s: _sim_dkdv_v2(s, D, blocks)):
+            run(_Sim(Lq, Lk, W, seg))
+
+
+def test_kernel_loops_on_the_h100_crash_case():
+    """130 queries (the last of 4096 keys) with a 200-token window: the case that hit an
+    illegal memory access in both variants. Key blocks no query sees must run no query block."""
+    _simulate_all(1, 130, 4096, 200, False)
+
+
+# (B, Lq, Lk, window, packed): Lq < Lk with windows from 1 key to more than Lk, ragged
+# lengths, key blocks no query sees, packed examples that end before the queries start.
+LOOP_CASES = [
+    (1, 1, 1, None, False), (1, 1, 1, 1, False), (1, 1, 700, 1, False),
+    (1, 1, 700, None, False), (1, 5, 1000, 3, False), (1, 64, 64, 64, False),
+    (1, 65, 1029, 64, False), (1, 127, 1000, 128, False), (1, 128, 1025, 129, False),
+    (1, 300, 700, None, False), (1, 300, 700, 37, False), (1, 200, 1100, 600, False),
+    (1, 200, 1100, 1099, False), (1, 200, 1100, 5000, False), (1, 513, 520, 511, False),
+    (1, 600, 600, 90, False), (1, 333, 333, 1, False), (1, 250, 1300, 1023, False),
+    (2, 98, 900, 17, True), (2, 112, 787, None, True), (2, 300, 800, 200, True),
+    (2, 450, 450, 90, True), (2, 20, 500, None, True),
+]
+
+
+@pytest.mark.parametrize("B,Lq,Lk,window,packed", LOOP_CASES)
+def test_kernel_loops_stay_in_range_and_cover_each_pair_once(B, Lq, Lk, window, packed):
+    """Every kernel of both variants at every head dim's tiling: reads within [0, Lq) /
+    [0, Lk), each visible pair taken once, no invisible one, mask skipped only where all is
+    visible, every output row written once."""
+    _simulate_all(B, Lq, Lk, window, packed)
+
+
+def test_block_ranges_with_fewer_queries_than_keys():
+    """The crash case's ranges, as values: the 29 key blocks of 128 left of every window get
+    the empty range [0, 0]; the last query block's keys start at its window."""
+    kr, qr = flash.block_ranges(130, 4096, 200, 64, 128)
+    assert kr.tolist() == [[3767, 4030], [3831, 4094], [3895, 4096]]
+    assert (qr[:29] == 0).all()
+    assert qr[29:].tolist() == [[0, 73], [0, 130], [2, 130]]
+
+
+@pytest.mark.parametrize("tiles", ["v1", "v2-256", "v2-512"])
+@pytest.mark.parametrize("B,Lq,Lk,window,packed", [
+    (1, 40, 700, 50, False), (1, 130, 600, 200, False), (2, 60, 500, 30, True),
+    (2, 70, 400, None, True)])
+def test_blocked_algorithm_with_fewer_queries_than_keys(B, Lq, Lk, window, packed, tiles):
+    """The blocked forward and backward (the kernels' ranges and loops) equal dense attention
+    when queries are the last Lq of Lk keys, with a window or packed examples; keys no query
+    sees get dK = dV = 0."""
+    mx.random.seed(2)
+    D = 8
+    q = mx.random.normal((B, 2, Lq, D))
+    k = mx.random.normal((B, 1, Lk, D))
+    v = mx.random.normal((B, 1, Lk, D))
+    do = mx.random.normal((B, 2, Lq, D))
+    scale = D ** -0.5
+    seg = _segments(B, Lk, 3) if packed else None
+    blocks = Blocks(seg) if packed else None
+    vis = _dense_visible(Lq, Lk, window, seg)
+    if tiles == "v1":
+        fwd, bwd = dict(bk=32), dict(bkv=128, bq=64)
+    else:
+        cfg = V2_TILES[int(tiles[3:])]
+        fwd = dict(bk=cfg["fwd_bk"], bq=cfg["fwd_bq"])
+        bwd = dict(bkv=cfg["bkv"], bq=cfg["dkdv_bq"], dq_tiles=(cfg["dq_bq"], cfg["dq_bk"]))
+
+    o, lse = flash.reference_forward(q, k, v, scale, window, blocks, **fwd)
+    want_o, want_lse = _dense(q, k, v, scale, vis)
+    tol = 4 * Lk * EPS
+    assert mx.abs(o - want_o).max().item() <= tol * mx.abs(v).max().item()
+    assert mx.abs(lse - want_lse).max().item() <= tol * mx.abs(want_lse).max().item()
+
+    got = flash.reference_backward(q, k, v, o, lse, do, scale, window, blocks, **bwd)
+    _, want = mx.vjp(lambda q, k, v: _dense(q, k, v, scale, vis)[0], [q, k, v], [do])
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert mx.abs(g - w).max().item() <= 4 * tol * mx.abs(w).max().item()
+    unseen = ~vis.any(axis=(0, 1))
+    assert unseen.any()
+    for g in got[1:]:
+        assert (np.array(g)[:, :, unseen] == 0).all()

@@ -429,16 +429,47 @@ def fused_kernel(queries: mx.array, keys: mx.array, window: int | None = None,
     return "composed"
 
 
-def mlx_causal(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+# cuDNN's fused backward fails to build its graph once one call's float32 dQ accumulator
+# (batch x heads x length x head dim) reaches 2^31 bytes; longer calls run in head groups.
+MLX_FUSED_MAX_ELEMENTS = 1 << 28
+
+
+def mlx_heads_per_call(B: int, H: int, Hkv: int, L: int, D: int,
+                       max_elements: int = MLX_FUSED_MAX_ELEMENTS) -> int:
+    """The most query heads one MLX fused call may take: a divisor of H that keeps whole KV
+    groups together (or splits one group evenly) with B * heads * L * D <= max_elements."""
+    rep = H // Hkv
+    fits = [h for h in range(1, H + 1) if H % h == 0 and (h % rep == 0 or rep % h == 0)
+            and B * h * L * D <= max_elements]
+    return max(fits, default=1)
+
+
+def mlx_causal(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+               max_elements: int = MLX_FUSED_MAX_ELEMENTS) -> mx.array:
     """MLX's fused causal attention, the sequence zero-padded to a multiple of MLX_FUSED_TILE:
     causal, so no real query sees a padded key, and the padded queries, sliced off, send back
-    no cotangent (their dS is exactly zero)."""
-    L = queries.shape[2]
+    no cotangent (their dS is exactly zero). Heads are independent, so a call too large for
+    cuDNN runs as head groups (`mlx_heads_per_call`), exactly the same arithmetic per head."""
+    B, H, L, D = queries.shape
     pad = -L % MLX_FUSED_TILE
     if pad:
         widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
         queries, keys, values = (mx.pad(x, widths) for x in (queries, keys, values))
-    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+    Hkv = keys.shape[1]
+    h = mlx_heads_per_call(B, H, Hkv, L + pad, D, max_elements)
+    if h == H:
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                   mask="causal")
+    else:
+        rep = H // Hkv
+        kv_per_call = max(h // rep, 1)
+        qs = mx.split(queries, H // h, axis=1)
+        ks = mx.split(keys, Hkv // kv_per_call, axis=1)
+        vs = mx.split(values, Hkv // kv_per_call, axis=1)
+        kv = [(i * h // rep) // kv_per_call for i in range(len(qs))]
+        out = mx.concatenate(
+            [mx.fast.scaled_dot_product_attention(q, ks[j], vs[j], scale=scale, mask="causal")
+             for q, j in zip(qs, kv)], axis=1)
     return out[:, :, :L] if pad else out
 
 

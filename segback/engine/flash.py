@@ -119,7 +119,11 @@ def block_ranges(Lq: int, Lk: int, window: int | None, bq: int, bk: int,
     """([query blocks, 2] key ranges, [key blocks, 2] query ranges) that can hold a visible pair.
 
     Query i sits at key position i + Lk - Lq. `first`/`last` (packed examples): for every key
-    position, the first and last position of its example over all rows of the batch.
+    position, the first and last position of its example over all rows of the batch. Every
+    range is clamped into [0, Lq] / [0, Lk] with lo <= hi: with Lq < Lk a key block that no query
+    sees (left of every window, or in an example that ends before the queries start) gets an
+    empty range at 0, never a negative start (the kernels round the start down to a block and
+    would load query rows before 0).
     """
     off = Lk - Lq
     q0 = np.arange(0, Lq, bq)
@@ -134,8 +138,9 @@ def block_ranges(Lq: int, Lk: int, window: int | None, bq: int, bk: int,
     q_hi = np.full_like(k0, Lq) if window is None else np.minimum(Lq, k1 - 1 + window - off)
     if last is not None:
         q_hi = np.minimum(q_hi, last[k1 - 1] + 1 - off)
+    q_hi = np.clip(q_hi, 0, Lq)  # < 0: no query sees this key block
     kr = np.stack([k_lo, np.maximum(k_hi, k_lo)], axis=1)
-    qr = np.stack([np.minimum(q_lo, q_hi), np.maximum(q_hi, 0)], axis=1)
+    qr = np.stack([np.minimum(q_lo, q_hi), q_hi], axis=1)
     return kr.astype(np.int32), qr.astype(np.int32)
 
 
@@ -289,6 +294,14 @@ def _forward_v2(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
         (len(kr) * threads, B * H, 1), threads, smem_v2(kind, D, queries.dtype.size)))
 
 
+def _delta(output: mx.array | None, d_output: mx.array, delta: mx.array | None,
+           shape: tuple[int, int, int]) -> mx.array:
+    """rowsum(dO * O) in float32 [B, H, Lq], unless the caller has it already."""
+    if delta is None:
+        delta = (d_output.astype(mx.float32) * output.astype(mx.float32)).sum(-1)
+    return delta.reshape(shape)
+
+
 def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: mx.array | None,
                    lse: mx.array, d_output: mx.array, scale: float, window: int | None = None,
                    blocks=None, delta: mx.array | None = None, ldsm: bool = True,
@@ -301,9 +314,7 @@ def flash_backward(queries: mx.array, keys: mx.array, values: mx.array, output: 
     B, H, Lq, D = queries.shape
     Hkv, Lk = keys.shape[1], keys.shape[2]
     window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
-    if delta is None:
-        delta = (d_output.astype(mx.float32) * output.astype(mx.float32)).sum(-1)
-    delta = delta.reshape(B, H, Lq)
+    delta = _delta(output, d_output, delta, (B, H, Lq))
     cfg = _tiles(D)
     item = queries.dtype.size
     d_output = d_output.astype(queries.dtype)
@@ -336,9 +347,7 @@ def _backward_v2(queries: mx.array, keys: mx.array, values: mx.array, output: mx
     B, H, Lq, D = queries.shape
     Hkv, Lk = keys.shape[1], keys.shape[2]
     window, seg, first, last = _masks(B, Lq, Lk, window, blocks)
-    if delta is None:
-        delta = (d_output.astype(mx.float32) * output.astype(mx.float32)).sum(-1)
-    delta = delta.reshape(B, H, Lq)
+    delta = _delta(output, d_output, delta, (B, H, Lq))
     cfg, item, seg_on = _tiles_v2(D), queries.dtype.size, int(blocks is not None)
     d_output = d_output.astype(queries.dtype)
     common = [mx.array([scale], mx.float32), _params(queries, keys, window)]

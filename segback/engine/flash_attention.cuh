@@ -6,7 +6,9 @@
 // deterministic). Masks are described, never materialized: causal, a sliding window of W keys
 // (query i sees keys j with i + off - W < j <= i + off), and packed examples (`seg` ids: a
 // query sees keys of its own example). Block ranges (`kr`, `qr`) are computed on the host and
-// only skip blocks that are wholly masked; every element is masked exactly.
+// only skip blocks that are wholly masked; every element is masked exactly. The kernels clamp
+// them into [0, Lk] / [0, Lq] too: a start is rounded down to a block, and a negative one would
+// load rows before 0 (an illegal access with Lq < Lk and a window when the host gave one).
 //
 // prm (int32): B, H, Hkv, Lq, Lk, off, W (0 = no window).
 // Layouts: q, o, do [B, H, Lq, D]; k, v [B, Hkv, Lk, D]; lse, delta [B, H, Lq] float32.
@@ -157,7 +159,7 @@ __device__ void forward(const T* q, const T* k, const T* v, const float* scale_p
 #pragma unroll
   for (int n = 0; n < DV / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
   float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
-  const int kstart = kr[2 * qb], kend = kr[2 * qb + 1];
+  const int kstart = max(kr[2 * qb], 0), kend = min(kr[2 * qb + 1], Lk);
 
   for (int k0 = (kstart / BK) * BK; k0 < kend; k0 += BK) {
     __syncthreads();
@@ -301,7 +303,7 @@ __device__ void backward_dkdv(const T* q, const T* k, const T* v, const T* d_o, 
 #pragma unroll
     for (int e = 0; e < 4; ++e) adk[n][e] = adv[n][e] = 0.f;
 
-  const int qstart = qr[2 * kb], qend = qr[2 * kb + 1];
+  const int qstart = max(qr[2 * kb], 0), qend = min(qr[2 * kb + 1], Lq);
   for (int hh = 0; hh < rep; ++hh) {
     const int h = hk * rep + hh;
     const size_t row_base = (size_t)(b * H + h) * Lq;
@@ -429,7 +431,7 @@ __device__ void backward_dq(const T* q, const T* k, const T* v, const T* d_o, co
   float acc[DQ / 8][4];
 #pragma unroll
   for (int n = 0; n < DQ / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  const int kstart = kr[2 * qb], kend = kr[2 * qb + 1];
+  const int kstart = max(kr[2 * qb], 0), kend = min(kr[2 * qb + 1], Lk);
 
   for (int k0 = (kstart / BK) * BK; k0 < kend; k0 += BK) {
     __syncthreads();

@@ -230,7 +230,7 @@ __device__ void forward_v2(const T* q, const T* k, const T* v, const float* scal
   const int wm = warp % WM, wn = warp / WM;
   const float sl2 = scale_p[0] * SBFLASH_LOG2E;
   const int rw = q0 + wm * 16, r0 = rw + g, r1 = r0 + 8;
-  const int kstart = kr[2 * qb], kend = kr[2 * qb + 1];
+  const int kstart = max(kr[2 * qb], 0), kend = min(kr[2 * qb + 1], Lk);
   const int kfirst = (kstart / BK) * BK;
 
   async_tile<T, BQ, D, SQ, THREADS>(sQ, qp, q0, Lq);
@@ -385,7 +385,7 @@ __device__ void backward_dq_v2(const T* q, const T* k, const T* v, const T* d_o,
   const int wm = warp % WM, wn = warp / WM;
   const float scale = scale_p[0], sl2 = scale * SBFLASH_LOG2E;
   const int rw = q0 + wm * 16, r0 = rw + g, r1 = r0 + 8;
-  const int kstart = kr[2 * qb], kend = kr[2 * qb + 1];
+  const int kstart = max(kr[2 * qb], 0), kend = min(kr[2 * qb + 1], Lk);
   const int kfirst = (kstart / BK) * BK;
 
   async_tile<T, BQ, D, SQ, THREADS>(sQ, q + (size_t)bh * Lq * D, q0, Lq);
@@ -490,7 +490,7 @@ __device__ void backward_dkdv_v2(const T* q, const T* k, const T* v, const T* d_
   const int kg = warp % NKG, cg = warp / NKG;
   const float scale = scale_p[0], sl2 = scale * SBFLASH_LOG2E;
 
-  const int qstart = qr[2 * kb], qend = qr[2 * kb + 1];
+  const int qstart = max(qr[2 * kb], 0), qend = min(qr[2 * kb + 1], Lq);
   const int qfirst = (qstart / BQ) * BQ;
   const int nqb = qend > qfirst ? (qend - qfirst + BQ - 1) / BQ : 0;
   const int total = rep * nqb;
