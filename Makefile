@@ -20,11 +20,11 @@ setup: $(BIN)/segback
 # Snakemake reads --configfile files before the Snakefile runs and names no file for a YAML
 # syntax error: segback's check names the file, line and column first.
 run: setup
-	$(BIN)/python -m segback.config_check $(CONFIG)
+	$(BIN)/python -m segback.experiment.config_check $(CONFIG)
 	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores all --rerun-incomplete --configfile $(CONFIG)
 
 report: setup
-	$(BIN)/python -m segback.config_check $(CONFIG)
+	$(BIN)/python -m segback.experiment.config_check $(CONFIG)
 	$(BIN)/snakemake results/$(MODEL)_chunk_score.json --cores all --report results/report.html --configfile $(CONFIG)
 
 test: setup

@@ -26,13 +26,13 @@ import sys
 
 from snakemake.utils import min_version
 
-from segback import workflow_lock
-from segback.config_check import ConfigError, checked_configfile, prepare_config
+from segback.experiment import workflow_lock
+from segback.experiment.config_check import ConfigError, checked_configfile, prepare_config
 
 min_version("9.0")
 
 # A lock left by a Snakemake that was killed (kill -9, power loss) is freed, so the same
-# command also goes on after those (segback/workflow_lock.py); a live one's is kept.
+# command also goes on after those (segback/experiment/workflow_lock.py); a live one's is kept.
 if workflow.is_main_process:
     _stale = workflow_lock.clear_stale()
     if _stale:
@@ -53,12 +53,13 @@ onerror:
 
 # The default config, read only after segback has checked it is YAML (a syntax error names the
 # file and line; `--configfile` files are read by Snakemake before this file runs: `make run`
-# checks them first with `python -m segback.config_check`).
+# checks them first with `python -m segback.experiment.config_check`).
 configfile: checked_configfile("config/config.yaml")
 
 
 # `--config` strings in the schema's types, the `dataset` shorthand, the schema and every check
-# a schema cannot make (segback/config_check.py): one paragraph naming each key, no traceback.
+# a schema cannot make (segback/experiment/config_check.py): one paragraph naming each key, no
+# traceback.
 try:
     prepare_config(config, os.path.join(workflow.basedir, "workflow/schemas/config.schema.json"),
                    workflow.configfiles)

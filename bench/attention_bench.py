@@ -34,7 +34,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from segback.bench import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import flash
 from segback.engine.attention import (
     Blocks,

@@ -21,7 +21,7 @@ def main() -> None:
 
     from segback.chunking.prompt import build_prompt, gold_completion
     from segback.models.load import load
-    from segback.tokens import encode_chat
+    from segback.data.tokens import encode_chat
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)

@@ -44,7 +44,7 @@ def inputs(model_name: str, seq: int, lora_rank: int):
     import mlx.core as mx
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from segback.models.geometry import build_model, geometry_config
+    from segback.models.random_init import build_model, geometry_config
 
     config = geometry_config(model_name)
     model = build_model(config, dtype=mx.float32)
@@ -235,7 +235,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:
-        from segback.bench import append_rows, with_provenance
+        from segback.benchmark.provenance import append_rows, with_provenance
 
         append_rows(args.out, [with_provenance(r, "context-parallel-cpu") for r in rows])
 

@@ -65,7 +65,7 @@ def free_port(n: int) -> int:
 
 
 def environment(threads: int) -> dict:
-    from segback.blas import find_openblas
+    from segback.backend.blas import find_openblas
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     lib = find_openblas()

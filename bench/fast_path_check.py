@@ -20,10 +20,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from segback.bench import append_rows, bench_batch, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
+from segback.benchmark.worker import bench_batch
 from segback.engine import EngineOptions, memory_stats, reset_peak, value_and_grad
 from segback.models.dequant_linear import use_dequantized_matmul
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 from segback.planner.cost import CostModel
 from segback.planner.geometry import read_geometry
 

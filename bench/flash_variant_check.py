@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from segback.bench import append_rows, with_provenance  # noqa: E402
+from segback.benchmark.provenance import append_rows, with_provenance  # noqa: E402
 from segback.engine import flash  # noqa: E402
 from segback.engine.attention import Blocks  # noqa: E402
 

@@ -19,17 +19,17 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from segback.bench import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine.head import DEFAULT_MAX_ELEMENTS, head_vjp
 from segback.engine.stack import get_stack
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="dense-256", help="a segback.models.geometry name")
+    p.add_argument("--model", default="dense-256", help="a segback.models.random_init name")
     p.add_argument("--seq", type=int, default=2048, help="tokens in the row (T)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=0,

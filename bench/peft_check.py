@@ -19,10 +19,10 @@ from mlx.utils import tree_map
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import save_config, save_model
 
-from segback.adapters import adapter_config, save_adapter
-from segback.bench import append_rows, with_provenance
-from segback.export import export_peft
-from segback.models.geometry import build_model, geometry_config
+from segback.models.adapters import adapter_config, save_adapter
+from segback.benchmark.provenance import append_rows, with_provenance
+from segback.models.export import export_peft
+from segback.models.random_init import build_model, geometry_config
 
 NEEDS = ("torch", "transformers", "peft")
 

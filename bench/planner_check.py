@@ -18,7 +18,7 @@ from pathlib import Path
 
 from segback.planner.cost import Coefficients, CostModel
 from segback.planner.geometry import GB, read_geometry, resolve_model
-from segback.planner.search import _best_by_count, most_kept
+from segback.planner.search import best_by_count, most_kept
 
 RUNS = Path(__file__).resolve().parent / "data" / "runs.jsonl"
 # Runs whose planner counted the tiled engine's activations at 1.0 (the analytic sizes).
@@ -75,7 +75,7 @@ def predict(geom, p: dict, activation: float) -> float:
 
     then = model(Coefficients() if p["run"] in ANALYTIC_TILED else
                  Coefficients(activation=activation))
-    cut = _best_by_count(then)[p["segments"]]
+    cut = best_by_count(then)[p["segments"]]
     kept = p["kept"]
     if p["offload"] and kept is None:  # as the planner of the run chose it
         kept = most_kept(then, cut, p["target"]) if p["target"] else 0

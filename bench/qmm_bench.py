@@ -19,7 +19,7 @@ import time
 
 import mlx.core as mx
 
-from segback.bench import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 
 # (name, in_features K, out_features N) of one e4b decoder layer (hidden 2560, 8 x 256 query
 # heads, 2 x 256 key/value heads, MLP 10240) and the tied head (vocabulary 262144).

@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    from segback.bench import append_rows, with_provenance
+    from segback.benchmark.provenance import append_rows, with_provenance
     from segback.models.dequant_linear import use_dequantized_matmul
-    from segback.models.geometry import build_model, geometry_config
+    from segback.models.random_init import build_model, geometry_config
     from segback.planner.calibrate import _attention_mode, measure_segment
     from segback.planner.cost import CostModel, device_coefficients
     from segback.planner.geometry import GB, read_geometry

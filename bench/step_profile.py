@@ -23,10 +23,10 @@ import time
 
 import mlx.core as mx
 
-from segback.bench import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import options as engine_options
 from segback.engine.memory import memory_stats
-from segback.ops_per_buffer import limit_ops_per_buffer
+from segback.backend.ops_per_buffer import limit_ops_per_buffer
 from segback.planner.cli import SEARCHED
 from segback.planner.measure import parse_measure
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from segback.engine import reset_peak
     from segback.models.dequant_linear import use_dequantized_matmul
-    from segback.models.geometry import build_model
+    from segback.models.random_init import build_model
     from segback.planner import plan_segments
 
     gpu = mx.default_device() == mx.gpu

@@ -19,13 +19,13 @@ import time
 import mlx.core as mx
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from segback.bench import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import EngineOptions, tiled
 from segback.engine import options as engine_options
 from segback.engine.attention import use_attention
 from segback.engine.segmented import _split_trainable
 from segback.engine.stack import get_stack
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 from segback.planner import CostModel, read_geometry
 
 # What a single layer's VJP does not use: the whole step's options.

@@ -24,13 +24,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from segback.bench import append_rows, with_provenance
+from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import EngineOptions, offload, tiled
 from segback.engine import options as engine_options
 from segback.engine.attention import use_attention
 from segback.engine.segmented import _split_trainable
 from segback.engine.stack import binder, get_stack
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 
 SWEPT = ("attention", "tile", "tiles_in_flight", "head_chunk")
 

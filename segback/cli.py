@@ -20,12 +20,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("segback.chunking.compare", "arms' scores side by side, split by length"),
     "plan": ("segback.planner.cli", "plan segments for a model, length and memory target"),
     "train": ("segback.trainer.cli", "train a LoRA adapter with segmented backward"),
-    "export": ("segback.export", "export an adapter (mlx-lm, PEFT, fused)"),
-    "bench": ("segback.bench", "benchmark mlx-lm full/checkpoint vs segmented backward"),
-    "summarize": ("segback.results", "assemble the experiment's result JSON"),
-    "plots": ("segback.plots", "plot loss and memory curves for the report"),
-    "stamp": ("segback.stamp", "record a stage's effective config (for the workflow)"),
-    "evaluate": ("segback.evaluate", "held-out loss and perplexity; the token filter of own data"),
+    "export": ("segback.models.export", "export an adapter (mlx-lm, PEFT, fused)"),
+    "bench": ("segback.benchmark.cli", "benchmark mlx-lm full/checkpoint vs segmented backward"),
+    "summarize": ("segback.experiment.results", "assemble the experiment's result JSON"),
+    "plots": ("segback.experiment.plots", "plot loss and memory curves for the report"),
+    "stamp": ("segback.experiment.stamp", "record a stage's effective config (for the workflow)"),
+    "evaluate": ("segback.experiment.evaluate",
+                 "held-out loss and perplexity; the token filter of own data"),
 }
 
 # Commands that run the model and so benefit from the OpenBLAS preload on Linux CPU.
@@ -46,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in COMPUTE_COMMANDS:
-        from segback.blas import ensure_openblas
-        from segback.kernel_cache import persist_kernel_cache
-        from segback.ops_per_buffer import limit_ops_per_buffer
+        from segback.backend.blas import ensure_openblas
+        from segback.backend.kernel_cache import persist_kernel_cache
+        from segback.backend.ops_per_buffer import limit_ops_per_buffer
 
         ensure_openblas()
         persist_kernel_cache()

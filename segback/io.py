@@ -1,4 +1,5 @@
-"""Atomic file writes: a crash mid-write never leaves a truncated result behind.
+"""Files: atomic writes (a crash mid-write never leaves a truncated result behind), JSON reads, and
+where segback caches what it builds (`cache_root`).
 
 Every writer builds its result in a scratch file (or directory) beside the target, named
 `.NAME.HOST.PID.RANDOM.tmp`, and renames it over the target once it is complete. Scratch left by
@@ -231,3 +232,10 @@ def read_jsonl(path: str | Path) -> list[Any]:
 def read_json(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def cache_root() -> Path:
+    """Where segback caches what it builds (GGUF conversions, CUDA kernels): $SEGBACK_CACHE, else
+    ~/.cache/segback."""
+    root = os.environ.get("SEGBACK_CACHE") or Path.home() / ".cache" / "segback"
+    return Path(root)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from test_engine import batch_of, lora_model
 
-from segback.models.geometry import geometry_config
+from segback.models.random_init import geometry_config
 
 T = 38  # 37 positions: divisible by neither 2 nor 4 ranks (nor their 4 and 8 zig-zag pieces)
 STEPS = 3  # optimizer steps whose adapter is compared

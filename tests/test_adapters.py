@@ -12,9 +12,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import load_model, save_config, save_model
 
-from segback.adapters import adapter_config, adapter_weights, mount, save_adapter, unmount
-from segback.export import export, hf_module_path, to_peft
-from segback.models.geometry import build_model, geometry_config, wrap_multimodal
+from segback.models.adapters import adapter_config, adapter_weights, mount, save_adapter, unmount
+from segback.models.export import export, hf_module_path, to_peft
+from segback.models.random_init import build_model, geometry_config, wrap_multimodal
 
 WORDS = ("alpha beta gamma delta eps zeta eta theta iota kappa lambda mu repeat "
          "User Assistant System : , .").split()

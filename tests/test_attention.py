@@ -19,7 +19,7 @@ from segback.engine.attention import (
     sdpa_for_mlx_lm,
     use_attention,
 )
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 
 RTOL = 1e-5
 

@@ -23,16 +23,16 @@ import pytest
 from mlx_lm.utils import save_config, save_model
 from test_adapters import INPUT, make_adapter, make_model_dir
 
-from segback import export as exp
+from segback.models import export as exp
 from segback import io as sio
-from segback.adapters import (
+from segback.models.adapters import (
     AdapterError,
     adapter_modules,
     mount,
     save_safetensors_atomic,
 )
 from segback.models import prepare as prep
-from segback.models.geometry import build_model, geometry_config
+from segback.models.random_init import build_model, geometry_config
 from segback.models.load import load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -507,7 +507,7 @@ def test_real_short_writes_under_a_file_size_limit(tmp_path):
 import resource, signal, sys
 from pathlib import Path
 import mlx.core as mx
-from segback.adapters import save_safetensors_atomic
+from segback.models.adapters import save_safetensors_atomic
 from segback.io import WriteError, atomic_write_bytes
 tmp = Path({str(tmp_path)!r})
 save_safetensors_atomic(tmp / "a.safetensors", {{"w": mx.ones((4,))}})

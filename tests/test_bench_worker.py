@@ -2,7 +2,7 @@
 
 import sys
 
-from segback.bench import _run_worker
+from segback.benchmark.cli import _run_worker
 
 SLOW = ("import sys, time\n"
         "print('bench ckpt: step 0/2 1.0 s', file=sys.stderr, flush=True)\n"

@@ -8,7 +8,7 @@ import pytest
 
 from segback.chunking import filter as chunk_filter
 from segback.chunking.prompt import build_prompt, gold_completion
-from segback.tokens import render_plain
+from segback.data.tokens import render_plain
 
 FIXTURE = Path(__file__).parent / "fixtures" / "chunking_cases.jsonl"
 

@@ -10,7 +10,7 @@ from segback.chunking import filter as chunk_filter
 from segback.chunking import windows
 from segback.chunking.dataset import build_dataset
 from segback.chunking.prompt import chat_rows
-from segback.tokens import encode_example
+from segback.data.tokens import encode_example
 
 WINDOW = 160  # words: each case of ~400-900 words makes 3-7 windows
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from segback.config_check import ConfigError, check_config
+from segback.experiment.config_check import ConfigError, check_config
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.json"
@@ -89,7 +89,7 @@ BROKEN = "seq: 512\ntrain:\n  iters: [3\n  learning_rate: 5.0e-5\n"
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
-    from segback.config_check import check_files
+    from segback.experiment.config_check import check_files
 
     bad = tmp_path / "mine.yaml"
     bad.write_text(BROKEN)
@@ -109,17 +109,17 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
 
 
 def test_config_check_command_names_file_and_line(tmp_path):
-    """`python -m segback.config_check FILE` (what `make run` runs before Snakemake, which reads
-    --configfile files itself and names none)."""
+    """`python -m segback.experiment.config_check FILE` (what `make run` runs before Snakemake,
+    which reads --configfile files itself and names none)."""
     import subprocess
     import sys
 
     bad = tmp_path / "mine.yaml"
     bad.write_text(BROKEN)
-    ok = subprocess.run([sys.executable, "-m", "segback.config_check",
+    ok = subprocess.run([sys.executable, "-m", "segback.experiment.config_check",
                          str(REPO / "config" / "config.yaml")], capture_output=True, text=True)
     assert ok.returncode == 0 and not ok.stderr, ok.stderr
-    out = subprocess.run([sys.executable, "-m", "segback.config_check", str(bad)],
+    out = subprocess.run([sys.executable, "-m", "segback.experiment.config_check", str(bad)],
                          capture_output=True, text=True)
     assert out.returncode == 1 and f"{bad}, line 4, column 16" in out.stderr, out.stderr
 
@@ -138,8 +138,7 @@ def test_workflow_default_configfile_syntax_error_names_file_and_line(tmp_path):
 
 
 def test_trainer_config_file_syntax_error_names_file_and_line(tmp_path):
-    from segback.trainer.config import ConfigError as TrainConfigError
-    from segback.trainer.config import read_config_file
+    from segback.trainer.config import TrainConfigError, read_config_file
 
     bad = tmp_path / "lora_config.yaml"
     bad.write_text("model: m\nlora_parameters:\n  rank: [8\n  scale: 20.0\n")
@@ -150,7 +149,7 @@ def test_trainer_config_file_syntax_error_names_file_and_line(tmp_path):
 # ---- coercion of --config strings (what the Snakefile did inline) ------------------------------
 
 def test_coerce_config_types_command_line_strings(tmp_path):
-    from segback.config_check import coerce_config
+    from segback.experiment.config_check import coerce_config
 
     cfg = coerce_config({"seq": ["1024", 2048, "x"],
                          "dataset": {"mask_prompt": "False", "scorer": "null", "seed": "-3",
@@ -164,7 +163,7 @@ def test_coerce_config_types_command_line_strings(tmp_path):
 
 
 def test_reserved_dataset_names(config, tmp_path):
-    from segback.config_check import RESERVED_DATASET_NAMES, prepare_config
+    from segback.experiment.config_check import RESERVED_DATASET_NAMES, prepare_config
 
     generic = {**{k: v for k, v in config.items() if k != "data"}, "task": "generic"}
     for name in (*RESERVED_DATASET_NAMES, "seq512"):

@@ -29,12 +29,12 @@ from test_engine import _cast, assert_as_exact_as_mlx_lm
 from test_train import chat_rows, parse, read_log, write_jsonl
 
 from segback.engine.attention import default_chunk_size
-from segback.engine.plan import Plan, PlanError
+from segback.engine.plan_file import Plan, PlanError
 from segback.engine.ring_attention import RingError, shard_positions
 from segback.planner.context import scored_pairs
 from segback.trainer import cli
 from segback.trainer.cli import check_context
-from segback.trainer.config import ConfigError, TrainConfig
+from segback.trainer.config import TrainConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -197,7 +197,7 @@ def test_more_pieces_than_tokens_is_refused():
         shard_positions(7, 4, "zigzag")
     assert [len(p) for p in shard_positions(7, 4, "contiguous").positions] == [2, 2, 2, 1]
     cfg = TrainConfig(model="tiny-llama", data="x", max_seq_length=16, context_parallel=8)
-    with pytest.raises(ConfigError, match="16 pieces, more than the 15 tokens"):
+    with pytest.raises(TrainConfigError, match="16 pieces, more than the 15 tokens"):
         check_context(cfg)
 
 
@@ -224,7 +224,7 @@ def test_plan_per_rank(tmp_path, capsys):
     forward R - 1 K/V blocks, each backward R - 1 K/V and R dK/dV blocks; untiled, two forwards
     a layer), its ring buffers (K/V in hand and arriving, the float32 copy attended, dK/dV in
     hand and arriving), and a plan file that refuses a longer shard."""
-    from segback.models.geometry import geometry_config
+    from segback.models.random_init import geometry_config
     from segback.planner import plan_segments
     from segback.planner.cli import add_arguments, main
 

@@ -18,15 +18,10 @@ from mlx_lm.tuner import datasets as mlx_data
 from mlx_lm.utils import load_tokenizer
 from test_adapters import make_tokenizer
 
-from segback.data import (
-    DataError,
-    DataFormat,
-    collate,
-    encode_rows,
-    load_dataset,
-    validation_batches,
-)
-from segback.tokens import normalize_bos
+from segback.data.dataset import collate, DataError, validation_batches
+from segback.data.formats import DataFormat, encode_rows
+from segback.data.sources import load_dataset
+from segback.data.tokens import normalize_bos
 from segback.models.gguf import family_template
 
 # Gemma 3's chat template (google/gemma-3-*-it), text part.

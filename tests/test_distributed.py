@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 from test_train import chat_rows, parse, read_log, small_cfg, write_jsonl
 
-from segback.blas import find_openblas
-from segback.data import ByteTokenizer, batch_at, batch_groups, collate, epoch_permutation
-from segback.models.geometry import build_model
+from segback.backend.blas import find_openblas
+from segback.data.dataset import batch_at, batch_groups, collate, epoch_permutation
+from segback.data.tokens import ByteTokenizer
+from segback.models.random_init import build_model
 from segback.trainer import cli, distributed, loop
 from segback.trainer.distributed import World
 

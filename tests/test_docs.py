@@ -567,7 +567,7 @@ def test_config_readme_lists_every_key_with_type_and_default():
 
 
 def test_reserved_names_as_the_code_has_them():
-    from segback.config_check import RESERVED_DATASET_NAMES, RESERVED_MODEL_NAMES
+    from segback.experiment.config_check import RESERVED_DATASET_NAMES, RESERVED_MODEL_NAMES
 
     text = (REPO / "config" / "README.md").read_text()
     m = re.search(r"Reserved model names: (.*)\.", text)

@@ -9,7 +9,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from segback.engine import PlanError, segments_of, value_and_grad
 from segback.engine.host_table import park_tables, parked_bytes, table_bytes
-from segback.models.geometry import build_model, geometry_config, wrap_multimodal
+from segback.models.random_init import build_model, geometry_config, wrap_multimodal
 from segback.engine.stack import get_stack
 
 TOL = 1e-5

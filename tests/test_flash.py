@@ -136,7 +136,7 @@ def test_cost_model_charges_the_fast_kernels():
     head dims and windows the flash kernel, and neither keeps [L, L] scores: an untiled plan's
     peak grows about linearly in L, and fused attention is predicted faster than chunked."""
     from segback.planner.cost import Coefficients, CostModel
-    from segback.planner.search import _best_by_count
+    from segback.planner.search import best_by_count
 
     llama, e4b = _geometry("llama-3.1-8b"), _geometry("e4b")
     cuda = dict(fast_kernels=True, coef=Coefficients(activation=1.6))
@@ -151,7 +151,7 @@ def test_cost_model_charges_the_fast_kernels():
 
     def peak(L, **kw):
         cost = CostModel(llama, L, 1, **kw)
-        return cost.evaluate(_best_by_count(cost)[32])["peak"]
+        return cost.evaluate(best_by_count(cost)[32])["peak"]
 
     resting = peak(2, **cuda)
     grow = (peak(32768, **cuda) - resting) / (peak(8192, **cuda) - resting)
@@ -161,7 +161,7 @@ def test_cost_model_charges_the_fast_kernels():
     for L in (8192, 32768):
         fused = CostModel(llama, L, 1, "fused", **cuda)
         chunked = CostModel(llama, L, 1, "chunked", **cuda)
-        segs = _best_by_count(fused)[8]
+        segs = best_by_count(fused)[8]
         assert fused.relative_step_time(segs) < chunked.relative_step_time(segs)
         assert fused.relative_step_time(segs) >= 1.0
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from segback.bench import throughput
+from segback.benchmark.worker import throughput
 from segback.engine import EngineOptions, Plan
-from segback.models.geometry import GEOMETRIES
+from segback.models.random_init import GEOMETRIES
 from segback.planner.flops import matmul_peak, mean_keys, step_flops
 from segback.planner.geometry import read_geometry, resolve_model
 

@@ -16,7 +16,7 @@ from segback.chunking.scorer import score_predictions
 from segback.io import read_jsonl
 from segback.models import prepare as prep
 from segback.models.load import load
-from segback.tokens import encode_chat
+from segback.data.tokens import encode_chat
 
 END_OF_TURN_ID = 6  # <end_of_turn> in test_models' vocabulary
 

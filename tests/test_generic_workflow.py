@@ -32,10 +32,10 @@ from test_workflow import (
     write_yaml,
 )
 
-from segback import results
+from segback.experiment import results
 
 GENERIC_SMOKE = REPO / "config" / "generic_smoke.yaml"
-GENERIC_SCHEMA = REPO / "segback" / "generic_result.schema.json"
+GENERIC_SCHEMA = REPO / "segback" / "experiment" / "generic_result.schema.json"
 DATA = REPO / "tests" / "data" / "generic"
 
 GENERIC_RULES = {
@@ -300,7 +300,7 @@ def test_generic_fake_sweep(tmp_path, generic_env):
 # ---- segback evaluate and summarize --task generic --------------------------------------------
 
 def evaluate_args(*argv: str) -> argparse.Namespace:
-    from segback import evaluate
+    from segback.experiment import evaluate
 
     parser = argparse.ArgumentParser()
     evaluate.add_arguments(parser)
@@ -309,13 +309,13 @@ def evaluate_args(*argv: str) -> argparse.Namespace:
 
 def run_evaluate(*argv: str) -> int:
     """`segback evaluate` in this process (cli.main would re-exec it with OpenBLAS)."""
-    from segback import evaluate
+    from segback.experiment import evaluate
 
     return evaluate.main(evaluate_args(*argv))
 
 
 def test_carving_is_seeded_and_disjoint():
-    from segback.evaluate import carve
+    from segback.experiment.evaluate import carve
 
     a = carve(20, True, True, 0.1, 0.2, seed=0, source="x")
     assert a == carve(20, True, True, 0.1, 0.2, seed=0, source="x")
@@ -323,7 +323,7 @@ def test_carving_is_seeded_and_disjoint():
     assert sorted(a["train"] + a["valid"] + a["test"]) == list(range(20))
     assert carve(20, True, True, 0.1, 0.2, seed=1, source="x") != a
     assert len(carve(3, True, True, 0.1, 0.1, 0, "x")["train"]) == 1  # at least one each
-    from segback.data import DataError
+    from segback.data.dataset import DataError
 
     with pytest.raises(DataError, match="cannot spare"):
         carve(2, True, True, 0.1, 0.1, 0, "x")
@@ -362,7 +362,9 @@ def test_evaluate_is_the_token_weighted_default_loss(tmp_path):
     import mlx.core as mx
     from mlx_lm.tuner.trainer import default_loss
 
-    from segback.data import ByteTokenizer, DataFormat, collate, encode_rows
+    from segback.data.dataset import collate
+    from segback.data.formats import DataFormat, encode_rows
+    from segback.data.tokens import ByteTokenizer
     from segback.models.load import load
 
     rows = [json.loads(x) for x in (DATA / "test.jsonl").open()]
@@ -426,7 +428,7 @@ def test_summarize_generic_unit(tmp_path, capsys):
 def test_generic_smoke_run(tmp_path):
     """The whole generic DAG on config/generic_smoke.yaml with the real stages: the tiny random
     model fine-tuned on tests/data/generic, test loss and perplexity before and after."""
-    for module in (*STAGE_MODULES, "segback.evaluate"):
+    for module in (*STAGE_MODULES, "segback.experiment.evaluate"):
         pytest.importorskip(module, reason=f"stage module {module} not written yet")
     work = tmp_path / "work"
     work.mkdir()

@@ -17,7 +17,7 @@ import segback.engine.head as head_module
 from segback.engine import Packed
 from segback.engine.head import contiguous, head_vjp, loss_mask
 from segback.engine.stack import Head, get_stack
-from segback.models.geometry import geometry_config
+from segback.models.random_init import geometry_config
 
 EPS32 = float(np.finfo(np.float32).eps)
 

@@ -145,7 +145,7 @@ def test_torn_resume_adapter_file_is_one_line(tmp_path, rows_dir):
 def test_resume_adapter_file_from_another_base_model_warns(tmp_path, capsys):
     """tiny-llama of seed 1 has every shape of seed 0's: only the recorded base fingerprint
     tells that an adapter trained on one is being loaded into the other."""
-    from segback.models.geometry import build_model
+    from segback.models.random_init import build_model
     from segback.trainer import cli
 
     rows = chat_rows(9)

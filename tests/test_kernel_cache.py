@@ -4,7 +4,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from segback.kernel_cache import ENV, kernel_cache_dir, persist_kernel_cache
+from segback.backend.kernel_cache import ENV, kernel_cache_dir, persist_kernel_cache
 
 
 def test_directory_is_per_version_and_device():

@@ -134,7 +134,7 @@ def test_long_smoke_run(tmp_path):
 
 
 def test_window_problems():
-    from segback.config_check import _window_problems
+    from segback.experiment.config_check import _window_problems
 
     assert _window_problems({"seq": [4096, 8192], "train": {"window": [None, 2048]}}) == []
     assert _window_problems({"seq": 2048, "train": {}}) == []

@@ -355,7 +355,7 @@ REAL_FAMILIES = {  # geometry -> (mlx-lm module, model_type)
 def test_real_geometries_keep_their_config_at_tiny_widths(name):
     """The tiny twin is the real config at tiny widths: same class, depth, RoPE, pattern;
     and the real config is the public config.json's (checked against the numbers here)."""
-    from segback.models.geometry import build_model, geometry_config
+    from segback.models.random_init import build_model, geometry_config
 
     real, tiny = geometry_config(name), geometry_config(f"tiny-{name}")
     widths = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -396,7 +396,7 @@ def test_real_geometries_keep_their_config_at_tiny_widths(name):
 def _save_random(cfg: dict, out, bits: int = 4) -> None:
     from mlx_lm.utils import save_config, save_model
 
-    from segback.models.geometry import build_model
+    from segback.models.random_init import build_model
 
     model = build_model(cfg, dtype=mx.bfloat16, quantize_bits=bits)
     save_model(out, model, donate_model=True)
@@ -416,7 +416,7 @@ def test_real_family_checkpoint_loads_by_path_and_segments_as_mlx_lm(name, wrapp
     from mlx_lm.utils import load_model
 
     from segback.engine import value_and_grad
-    from segback.models.geometry import geometry_config, wrap_multimodal
+    from segback.models.random_init import geometry_config, wrap_multimodal
 
     cfg = dict(geometry_config(f"tiny-{name}"), num_hidden_layers=6)  # one Gemma-3 pattern
     cfg = wrap_multimodal(cfg) if wrapped else cfg
@@ -481,7 +481,7 @@ def test_unsupported_family_fails_before_weights_load(tmp_path, config, says):
 
 def test_supported_and_dense_configs_pass_the_family_check():
     from segback.models.family import unsupported_reason
-    from segback.models.geometry import GEOMETRIES, wrap_multimodal
+    from segback.models.random_init import GEOMETRIES, wrap_multimodal
 
     for name, cfg in GEOMETRIES.items():
         assert unsupported_reason(cfg) is None, name

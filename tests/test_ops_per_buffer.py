@@ -5,8 +5,8 @@ import argparse
 
 import mlx.core as mx
 
-from segback import bench
-from segback.ops_per_buffer import CUDA_DEFAULT, ENV, limit_ops_per_buffer
+from segback.benchmark import cli as bench
+from segback.backend.ops_per_buffer import CUDA_DEFAULT, ENV, limit_ops_per_buffer
 
 
 def test_user_setting_wins():

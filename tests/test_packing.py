@@ -10,9 +10,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.trainer import default_loss
 from test_engine import TOL, assert_as_exact_as_mlx_lm, assert_close, lora_model
 
-from segback.data import TokenDataset, batch_at, collate
+from segback.data.dataset import batch_at, collate, TokenDataset
 from segback.engine import Packed, value_and_grad
-from segback.packing import collate_packed, pack_dataset, pack_rows
+from segback.data.packing import collate_packed, pack_dataset, pack_rows
 
 
 def examples_of(sizes, offsets, vocab=256, seed=0):
@@ -167,10 +167,10 @@ def test_train_pack_counts_tokens_and_equals_mlx_lm(tmp_path):
     row's examples unpacked; a tiled plan is refused."""
     from test_train import chat_rows, read_log, small_cfg
 
-    from segback.data import ByteTokenizer
-    from segback.models.geometry import build_model
+    from segback.data.tokens import ByteTokenizer
+    from segback.models.random_init import build_model
     from segback.trainer import cli, loop
-    from segback.trainer.config import ConfigError
+    from segback.trainer.config import TrainConfigError
 
     cfg = small_cfg(tmp_path, pack=True, max_seq_length=256, iters=1, batch_size=1,
                     grad_accumulation_steps=1, lora_dropout=0.0)
@@ -190,7 +190,7 @@ def test_train_pack_counts_tokens_and_equals_mlx_lm(tmp_path):
     assert log["tokens"] == int(ntoks) and log["input_tokens"] == n
     assert log["loss"] == pytest.approx(float(loss), rel=1e-5)
     assert summary["pack"] is True
-    with pytest.raises(ConfigError, match="--pack needs an untiled plan"):
+    with pytest.raises(TrainConfigError, match="--pack needs an untiled plan"):
         cli.resolve_plan(small_cfg(tmp_path, pack=True, tile=16), model)
 
 

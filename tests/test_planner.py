@@ -13,9 +13,9 @@ from segback.engine import memory, value_and_grad
 from segback.engine.attention import use_attention
 from segback.engine.options import EngineOptions
 from segback.engine.memory import GB
-from segback.models.geometry import build_model, geometry_config
+from segback.models.random_init import build_model, geometry_config
 from segback.engine import Plan, PlanError
-from segback.engine.plan import SCHEMA
+from segback.engine.plan_file import SCHEMA
 from segback.planner import fit_coefficients, plan_segments, read_geometry
 from segback.planner.cli import add_arguments, main
 
@@ -357,7 +357,7 @@ def test_measured_choice_is_the_fastest_measured_within_the_target():
 
 
 def test_measured_choice_falls_back_to_the_smallest_measured_peak():
-    from segback.engine.plan import Plan
+    from segback.engine.plan_file import Plan
     from segback.planner.measure import measured_pick
 
     model = build_model("tiny-llama")
@@ -373,8 +373,9 @@ def test_measured_choice_falls_back_to_the_smallest_measured_peak():
 def test_measured_choice_bisects_a_configuration_for_its_fastest_plan_within_the_target():
     """Plans of one configuration get smaller along the cost model's order: over the target at
     its fastest, the search times the smallest, then bisects, instead of timing every cut."""
-    from segback.engine.plan import Plan
-    from segback.planner.measure import MARGIN, measure_plan, measured_pick
+    from segback.engine.plan_file import Plan
+    from segback.planner.measure import measure_plan, measured_pick
+    from segback.planner.search import MARGIN
 
     model = build_model("tiny-llama")
     model.freeze()

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from segback.engine import value_and_grad
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 from segback.planner import plan_segments
 
 

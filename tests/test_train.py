@@ -16,18 +16,12 @@ from mlx_lm.utils import load_tokenizer
 from test_adapters import WORDS, make_model_dir, make_tokenizer
 
 from segback.trainer import TrainConfig, TrainingDiverged, cli, loop
-from segback.data import (
-    ByteTokenizer,
-    DataError,
-    batch_at,
-    batch_groups,
-    collate,
-    encode_rows,
-    epoch_permutation,
-    load_dataset,
-)
-from segback.models.geometry import build_model
-from segback.tokens import encode_chat
+from segback.data.dataset import batch_at, batch_groups, collate, DataError, epoch_permutation
+from segback.data.formats import encode_rows
+from segback.data.sources import load_dataset
+from segback.data.tokens import ByteTokenizer
+from segback.models.random_init import build_model
+from segback.data.tokens import encode_chat
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

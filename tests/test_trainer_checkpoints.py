@@ -10,7 +10,7 @@ import pytest
 from test_adapters import make_adapter, make_model_dir
 from test_train import chat_rows, model_dir, read_log, write_jsonl  # noqa: F401
 
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 from segback.trainer import ResumeError, TrainConfig, cli
 from segback.trainer.checkpoints import trainable_weights
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from segback.trainer import cli
-from segback.trainer.config import OPTIMIZERS, ConfigError, TrainConfig, from_args
+from segback.trainer.config import OPTIMIZERS, TrainConfigError, TrainConfig, from_args
 
 MLX_LM_CONFIG = Path(__file__).parent / "data" / "mlx_lm_lora_config.yaml"
 KEYS = ["self_attn.q_proj", "self_attn.v_proj"]
@@ -107,40 +107,40 @@ def test_flags_override_the_config_file():
 ])
 def test_bad_values_are_refused_with_the_option_named(argv, message):
     if message is None:
-        with pytest.raises(ConfigError, match="Adam has no weight_decay"):
+        with pytest.raises(TrainConfigError, match="Adam has no weight_decay"):
             cli.build_optimizer(parse(["--model", "m", "--data", "d", *argv]))
         return
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(TrainConfigError, match=message):
         parse(["--model", "m", "--data", "d", *argv])
 
 
 def test_config_file_values_and_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text('learning_rate: "1e-5"\nlora_parameters: {rank: 0, scale: 1.0}\n')
-    with pytest.raises(ConfigError, match=r"lora_parameters.rank \(--lora-rank\) 0"):
+    with pytest.raises(TrainConfigError, match=r"lora_parameters.rank \(--lora-rank\) 0"):
         parse(["-c", str(path), "--model", "m", "--data", "d"])
     cfg = parse(["-c", str(path), "--model", "m", "--data", "d", "--lora-rank", "2"])
     assert cfg.learning_rate == 1e-5 and cfg.lora_parameters["rank"] == 2  # "1e-5": a float
     assert TrainConfig.from_dict({"learning_rate": "2e-4"}).learning_rate == 2e-4
 
     path.write_text("learning_rat: 1e-5\n")
-    with pytest.raises(ConfigError, match=r"unknown option 'learning_rat'; did you mean "
+    with pytest.raises(TrainConfigError, match=r"unknown option 'learning_rat'; did you mean "
                                           r"'learning_rate'\?$"):
         parse(["-c", str(path), "--model", "m", "--data", "d"])
     path.write_text("lora_parameters: {rank: 8, alpha: 16}\n")
-    with pytest.raises(ConfigError, match="uses 'scale'"):
+    with pytest.raises(TrainConfigError, match="uses 'scale'"):
         parse(["-c", str(path), "--model", "m", "--data", "d"])
     path.write_text("lr_schedule: {name: cosine_decay, argumnets: [1, 2]}\n")
-    with pytest.raises(ConfigError, match="did you mean 'arguments'"):
+    with pytest.raises(TrainConfigError, match="did you mean 'arguments'"):
         parse(["-c", str(path), "--model", "m", "--data", "d"])
     path.write_text("training_mode: dpo\n")
-    with pytest.raises(ConfigError, match="training_mode 'dpo' is not supported.*mlx-lm-lora"):
+    with pytest.raises(TrainConfigError, match="training_mode 'dpo' is not supported.*mlx-lm-lora"):
         parse(["-c", str(path), "--model", "m", "--data", "d"])
-    with pytest.raises(ConfigError, match="trust_remote_code is not supported"):
+    with pytest.raises(TrainConfigError, match="trust_remote_code is not supported"):
         parse(["--model", "m", "--data", "d", "--trust-remote-code"])
-    with pytest.raises(ConfigError, match="missing option.*--data"):
+    with pytest.raises(TrainConfigError, match="missing option.*--data"):
         parse(["--model", "m"])
-    with pytest.raises(ConfigError, match="nothing to do"):
+    with pytest.raises(TrainConfigError, match="nothing to do"):
         parse(["--model", "m", "--data", "d", "--no-train"])
     assert parse(["--model", "m", "--data", "d", "--test"]).do_train is False  # as mlx-lm
     assert parse(["--model", "m", "--data", "d", "--test", "--train"]).do_train is True
@@ -177,7 +177,7 @@ def test_report_to_uses_mlx_lm_callbacks_or_says_what_is_missing():
     try:
         import wandb  # noqa: F401
     except ImportError:
-        with pytest.raises(ConfigError, match="--report-to wandb: wandb is not installed"):
+        with pytest.raises(TrainConfigError, match="--report-to wandb: wandb is not installed"):
             cli.reporting_callback(cfg)
     else:
         pytest.skip("wandb is installed: the callback would start a run")

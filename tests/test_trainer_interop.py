@@ -14,8 +14,9 @@ from mlx_lm.utils import load_adapters, load_model, save_config
 from test_adapters import INPUT
 from test_train import chat_rows, model_dir, write_jsonl  # noqa: F401
 
-from segback.adapters import mount
-from segback.data import ByteTokenizer, encode_rows
+from segback.models.adapters import mount
+from segback.data.formats import encode_rows
+from segback.data.tokens import ByteTokenizer
 from segback.models.load import load
 from segback.trainer import TrainConfig, cli
 

@@ -14,9 +14,10 @@ from mlx_lm.tuner.trainer import default_loss
 from test_train import chat_rows, model_dir, read_log, small_cfg, tiny_run, tok  # noqa: F401
 from test_train import write_jsonl
 
-from segback.data import ByteTokenizer, batch_at
+from segback.data.dataset import batch_at
+from segback.data.tokens import ByteTokenizer
 from segback.engine import value_and_grad
-from segback.models.geometry import build_model
+from segback.models.random_init import build_model
 from segback.trainer import TrainConfig, cli, loop
 from segback.trainer.config import OPTIMIZERS
 

@@ -18,7 +18,7 @@ def test_wheel_plans_and_summarizes_outside_the_tree(tmp_path):
                     "-q", "-w", str(dist), str(REPO)], check=True, cwd=tmp_path)
     wheel = next(dist.glob("segback-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for data in ("segback/engine/plan.schema.json", "segback/result.schema.json"):
+    for data in ("segback/engine/plan.schema.json", "segback/experiment/result.schema.json"):
         assert data in names, names
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from segback import results
+from segback.experiment import results
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
@@ -29,7 +29,7 @@ CONFIG = REPO / "config" / "config.yaml"
 SMOKE = REPO / "config" / "smoke.yaml"
 E4B_GPU = REPO / "config" / "e4b_gpu.yaml"
 CONFIG_SCHEMA = REPO / "workflow" / "schemas" / "config.schema.json"
-RESULT_SCHEMA = REPO / "segback" / "result.schema.json"
+RESULT_SCHEMA = REPO / "segback" / "experiment" / "result.schema.json"
 
 ALL_RULES = {
     "prepare_model": 1, "build_dataset": 1, "filter_test": 1, "filter_data": 2,
@@ -55,7 +55,7 @@ EDGES = {
 STAGE_MODULES = (
     "segback.models.prepare", "segback.chunking.dataset", "segback.chunking.filter",
     "segback.chunking.generate", "segback.chunking.scorer", "segback.planner",
-    "segback.trainer.cli", "segback.export",
+    "segback.trainer.cli", "segback.models.export",
 )
 
 

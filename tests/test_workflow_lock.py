@@ -1,5 +1,5 @@
-"""segback.workflow_lock: Snakemake's lock is freed only when every Snakemake that recorded
-holding it is a dead process of this host."""
+"""segback.experiment.workflow_lock: Snakemake's lock is freed only when every Snakemake that
+recorded holding it is a dead process of this host."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import socket
 import subprocess
 
-from segback import workflow_lock
+from segback.experiment import workflow_lock
 
 
 def locked(tmp_path, holders: list[dict]):

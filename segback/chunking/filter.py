@@ -4,7 +4,7 @@ conversations that need long context).
 
 Kept rows are ready for mlx-lm-style chat training: `messages` is [user prompt, assistant gold
 JSON] (`prompt.chat_rows`), so the case's own chat moves to `transcript`. Each row also gets
-`n_tokens` (prompt + completion, as `segback.tokens.encode_example` renders it) and
+`n_tokens` (prompt + completion, as `segback.data.tokens.encode_example` renders it) and
 `prompt_tokens`. Only the tokenizer is loaded, never the weights.
 """
 
@@ -36,7 +36,7 @@ def filter_cases(cases: list[dict], tokenizer: Any, max_tokens: int, min_tokens:
     """(kept training rows, report) for cases of `min_tokens` to `max_tokens` tokens."""
     from tqdm import tqdm
 
-    from segback.tokens import encode_example
+    from segback.data.tokens import encode_example
 
     kept, all_lengths = [], []
     for case in tqdm(cases, desc="count tokens", file=sys.stderr, leave=False):

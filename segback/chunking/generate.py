@@ -4,7 +4,7 @@ Rows may be chunking cases (`build_prompt` renders them, exactly as in training)
 (`messages`; the assistant turn is generated for the messages before a final assistant message,
 which is kept as `reference`), `prompt`/`completion` pairs (the prompt is the user turn) or
 `text` rows (continued as raw text, without a chat template, as `text` rows are trained).
-Chat prompts are encoded by `segback.tokens.encode_chat` with the generation prompt.
+Chat prompts are encoded by `segback.data.tokens.encode_chat` with the generation prompt.
 
 Cases are decoded together with mlx-lm's `BatchGenerator` (continuous batching: a finished case
 frees its slot for the next one, so each step reads the weights once for the whole batch).
@@ -133,7 +133,7 @@ def is_chunking_case(row: dict) -> bool:
 
 def row_request(tokenizer: Any, row: Any, index: int) -> Request:
     """The prompt of a data row (any of the formats in the module docstring)."""
-    from segback.tokens import _with_bos, encode_chat
+    from segback.data.tokens import encode_chat, with_bos as _with_bos
 
     if not isinstance(row, dict):
         raise ValueError(f"row {index + 1}: not a JSON object")

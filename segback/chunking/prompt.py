@@ -1,6 +1,6 @@
 """Render a chunking case as a chat: the user prompt and the gold assistant answer.
 
-Token ids come from `segback.tokens` (the one place chats are encoded); this module only
+Token ids come from `segback.data.tokens` (the one place chats are encoded); this module only
 produces text, so training and generation see the same prompt.
 """
 

@@ -60,7 +60,7 @@ class _Counter:
     """Exact and estimated token counts of a case's windows."""
 
     def __init__(self, tokenizer: Any, case: dict) -> None:
-        from segback.tokens import encode_example
+        from segback.data.tokens import encode_example
 
         self.tokenizer, self.case = tokenizer, case
         self.encode_example = encode_example

@@ -1,9 +1,9 @@
 """Attention with an O(L) backward, as a drop-in for mlx-lm's `scaled_dot_product_attention`.
 
 The VJP of `mx.fast.scaled_dot_product_attention` materializes [B, H, L, L] scores, probabilities
-and their gradients (DESIGN.md: 38 GB at L=32K, and a sliding window saves nothing). Here the
-backward walks the queries one chunk at a time, flash-attention-2 style: a chunk recomputes its
-scores against only the keys it can see, so memory is O(chunk x L) (causal) or
+and their gradients (measured on an H200: 38 GB at L=32K, and a sliding window saves nothing).
+Here the backward walks the queries one chunk at a time, flash-attention-2 style: a chunk
+recomputes its scores against only the keys it can see, so memory is O(chunk x L) (causal) or
 O(chunk x (chunk + window)) (sliding), and a sliding layer does O(L x window) work.
 
 - Row logsumexp: not stored. A chunk holds complete score rows, so the backward recomputes its
@@ -19,7 +19,7 @@ O(chunk x (chunk + window)) (sliding), and a sliding layer does O(L x window) wo
   sliding windows, packed examples); elsewhere mlx-lm's own path.
 - On CUDA, buffers live until the CUDA graph that used them has run, and mlx batches 20 ops per
   graph by default: several chunks' scores stay alive at once. `MLX_MAX_OPS_PER_BUFFER=4` (set
-  before mlx starts; segback's CLI sets it on CUDA, `segback/ops_per_buffer.py`) or
+  before mlx starts; segback's CLI sets it on CUDA, `segback/backend/ops_per_buffer.py`) or
   `mx.set_memory_limit` bound that; see bench/attention_bench.py.
 """
 

@@ -4,8 +4,9 @@
 custom kernels to its disk cache). A kernel built here is compiled with the same NVRTC MLX
 loaded, for the default device's architecture, and its binary stored under
 `$MLX_PTX_CACHE_DIR/segback/` (segback's CLI points that variable at its own cache, one
-directory per MLX version and GPU: `segback.kernel_cache`), keyed by a hash of the source, the
-options and the NVRTC version; `mx.fast.precompiled_cuda_kernel` then loads it in milliseconds.
+directory per MLX version and GPU: `segback.backend.kernel_cache`), keyed by a hash of the
+source, the options and the NVRTC version; `mx.fast.precompiled_cuda_kernel` then loads it in
+milliseconds.
 Anything missing (no NVRTC found, no headers) returns None: the caller falls back to
 `mx.fast.cuda_kernel`.
 """

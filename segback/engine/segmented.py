@@ -28,7 +28,7 @@ from segback.engine.mlp_chunks import use_mlp_chunks
 from segback.engine.offload import HostStore
 from segback.engine.options import EngineOptions
 from segback.engine.packing import Packed, is_packed
-from segback.engine.plan import Plan, segments_of
+from segback.engine.plan_file import Plan, segments_of
 from segback.engine.stack import Stack, binder, get_stack, has_dropout
 from segback.engine.tiled import LayerCall, layer_forward, layer_vjp
 from segback.engine.tiled import tiles as token_tiles

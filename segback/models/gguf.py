@@ -16,13 +16,14 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
+
+from segback.io import cache_root
 
 # llama.cpp tensor names (blk.N.<key>) -> mlx-lm names (model.layers.N.<value>).
 LAYER_NAMES = {
@@ -54,12 +55,6 @@ EXTRA_EOS_TOKENS = ("<end_of_turn>",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 GENERATION_FILE = "generation_config.json"
-
-
-def cache_root() -> Path:
-    """Where assembled GGUF files and their conversions are cached ($SEGBACK_CACHE to move it)."""
-    root = os.environ.get("SEGBACK_CACHE") or Path.home() / ".cache" / "segback"
-    return Path(root)
 
 
 def _sha256(path: Path) -> str:

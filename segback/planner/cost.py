@@ -36,7 +36,7 @@ from segback.planner.geometry import Geometry, LayerGeom
 # fallback on every backend) in units of one [B, H, L, L] array in the compute dtype: each layer
 # of a segment keeps ~0.8 copy until its backward, and one layer's backward adds ~2.4 (scores,
 # dP, dS). Fitted on CPU llama and gemma4 layers, 1-3 per segment; a lone sdpa on the H200
-# (DESIGN.md, 3.6 GB at 8K, 8 heads, bf16) is 3.4 in all.
+# (measured: 3.6 GB at 8K, 8 heads, bf16) is 3.4 in all.
 FUSED_RETAINED_COPIES = 0.8
 FUSED_TRANSIENT_COPIES = 2.4
 # Chunked attention (segback.engine.attention): the backward keeps ~4 float32 [B, H, chunk,

@@ -240,7 +240,7 @@ def lazy_model(config: dict, dtype: mx.Dtype = mx.bfloat16, quant_bits: int | No
                group_size: int = 64) -> nn.Module:
     """An mlx-lm model from a config dict whose weights are never materialized (frozen: the
     planner counts rank-r LoRA on every linear, not the base weights, as trainable)."""
-    from segback.models.geometry import build_model
+    from segback.models.random_init import build_model
 
     model = build_model(config, dtype=dtype, quantize_bits=quant_bits, group_size=group_size,
                         materialize=False)
@@ -268,7 +268,7 @@ def resolve_model(
         model, _ = load_model(path, lazy=True, strict=False)
         model.freeze()  # a base checkpoint: LoRA is what will train
         return model, str(model_or_config)
-    from segback.models.geometry import GEOMETRIES, geometry_config
+    from segback.models.random_init import GEOMETRIES, geometry_config
 
     if str(model_or_config) not in GEOMETRIES:
         raise ValueError(f"model {str(model_or_config)!r} is neither an MLX checkpoint directory "

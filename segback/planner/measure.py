@@ -23,10 +23,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from segback.engine.plan import Plan
-from segback.planner.calibrate import _attach_lora
+from segback.engine.plan_file import Plan
+from segback.planner.calibrate import attach_lora
 from segback.planner.geometry import GB
-from segback.planner.search import MARGIN, within  # noqa: F401 (MARGIN: also measure's)
+from segback.planner.search import engine_label, within
 
 
 # Candidates `measure="auto"` times: on a GPU with a memory target, where the cost model's
@@ -67,7 +67,7 @@ def measure_plan(model: nn.Module, plan: Plan, seq_len: int, batch_size: int = 1
     from segback.engine.stack import get_stack
 
     layers = get_stack(model).layers
-    undo = _attach_lora(layers, lora_rank)
+    undo = attach_lora(layers, lora_rank)
     try:
         batch = mx.random.randint(0, model.args.vocab_size, (batch_size, seq_len + 1),
                                   key=mx.random.key(0))
@@ -109,8 +109,6 @@ def measured_pick(model: nn.Module, candidates: Sequence[tuple[Hashable, Callabl
     steps stay within the budget; the first must fit it by prediction. The fastest measured
     within the target wins, else the one with the smallest measured peak.
     """
-    from segback.planner.plan import engine_label
-
     records: list[dict] = []
     measured: dict[int, dict] = {}
     clock = {"spent": 0.0, "rate": None}  # wall seconds timing; seconds per unit of `times`

@@ -11,15 +11,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from segback.engine.options import EngineOptions
-from segback.engine.plan import Plan, segments_of
+from segback.engine.plan_file import Plan, segments_of
 from segback.engine.ring_attention import shard_positions
 from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
 from segback.planner.context import RingCostModel
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
 from segback.planner.measure import MEASURE_BUDGET
-from segback.planner.search import (choose, most_kept, pick, search_space, tile_configs,
-                                    within)
+from segback.planner.search import (best_by_count, choose, engine_label, most_kept, pick,
+                                    search_space, tile_configs, within)
 
 
 def plan_segments(
@@ -49,8 +49,9 @@ def plan_segments(
 ) -> Plan:
     """Plan the segments of a segmented backward and the engine options that run them.
 
-    `model_or_config` is an mlx-lm model, a config dict, a geometry name (segback.models.geometry)
-    or an MLX checkpoint directory; the last three are read lazily, nothing is materialized.
+    `model_or_config` is an mlx-lm model, a config dict, a geometry name
+    (segback.models.random_init) or an MLX checkpoint directory; the last three are read lazily,
+    nothing is materialized.
     `quant_bits` quantizes a config/geometry (a model or checkpoint carries its own bits);
     calibrating a config/geometry builds it with random weights.
     `coefficients` reuses an earlier calibration (a plan's `inputs.calibration`); `segments`
@@ -106,7 +107,7 @@ def plan_segments(
         model_or_config, _ = load(model_or_config, dtype=dtype)
         model_or_config.freeze()
     if (calibrate or measure) and _is_lazy_random(model_or_config):  # needs real weights
-        from segback.models.geometry import build_model, geometry_config
+        from segback.models.random_init import build_model, geometry_config
 
         if dtype is None:  # bfloat16 matmuls are slow on CPU
             dtype = "bfloat16" if mx.default_device() == mx.gpu else "float32"
@@ -171,11 +172,10 @@ def plan_segments(
     if not measure or given is not None:
         return finish(*best)
     from segback.planner.measure import MEASURE_STEPS, measured_pick
-    from segback.planner.search import _best_by_count
 
     candidates = []
     for cost, *_ in options:
-        for segs in _best_by_count(cost).values():
+        for segs in best_by_count(cost).values():
             peak = cost.evaluate(segs)["peak"]
             if within(peak, target_gb):
                 candidates.append((cost.relative_step_time(segs), peak, cost, segs))
@@ -226,14 +226,6 @@ def corrected_pick(candidates: list[tuple], records: list[dict], target_gb: floa
     return low["plan"], (f"{message}; none within {target_gb:g} GB, measured or predicted "
                          f"x {ratio:.3f} (the measured overshoot): the smallest measured peak, "
                          f"{low['peak_gb']:.2f} GB")
-
-
-def engine_label(tile: int | None, offload: bool, mlp_chunk: int | None = None) -> str:
-    """"untiled", "untiled, MLP chunks of 1024", "tile 2048" or "tile 2048, offload": how a
-    plan runs its layers."""
-    if tile:
-        return f"tile {tile}" + (", offload" if offload else "")
-    return "untiled" + (f", MLP chunks of {mlp_chunk}" if mlp_chunk else "")
 
 
 def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, target_gb,

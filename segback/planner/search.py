@@ -30,7 +30,7 @@ def within(peak_bytes: float, target_gb: float | None) -> bool:
     return target_gb is None or peak_bytes <= target_gb * GB * (1 - MARGIN)
 
 
-def _best_by_count(cost: CostModel) -> dict[int, list[tuple[int, int]]]:
+def best_by_count(cost: CostModel) -> dict[int, list[tuple[int, int]]]:
     """For every segment count, the contiguous cut minimising the peak (min-max DP).
 
     The worst backward event of a plan is max_k(k * stored boundary + fixed + pending dK/dV +
@@ -88,7 +88,7 @@ def choose(
     the fastest plan whose peak meets the target, else the minimum-peak plan (ties go to the
     faster). Untiled, fewer segments are faster; tiled, more are (a segment of k layers
     recomputes k - 1 layer inputs in its backward)."""
-    plans = _best_by_count(cost)
+    plans = best_by_count(cost)
     peaks = {j: cost.evaluate(p)["peak"] for j, p in plans.items()}
     times = {j: cost.relative_step_time(p) for j, p in plans.items()}
     in_time = [j for j in plans if time_budget is None or times[j] <= time_budget]
@@ -174,6 +174,14 @@ def tile_configs(seq_len: int, attention: str, tile: int | str | None,
     chunks = [mlp_chunk] if mlp_chunk else [None] + [c for c in MLP_CHUNKS if c < seq_len]
     untiled = [] if offload is True else [(attention, None, False, c) for c in chunks]
     return untiled + [(attention, t, off, None) for off in offloads for t in sizes]
+
+
+def engine_label(tile: int | None, offload: bool, mlp_chunk: int | None = None) -> str:
+    """"untiled", "untiled, MLP chunks of 1024", "tile 2048" or "tile 2048, offload": how a
+    plan runs its layers."""
+    if tile:
+        return f"tile {tile}" + (", offload" if offload else "")
+    return "untiled" + (f", MLP chunks of {mlp_chunk}" if mlp_chunk else "")
 
 
 def pick(options: list[tuple], target_gb: float | None) -> tuple:

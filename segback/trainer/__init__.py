@@ -7,8 +7,8 @@
 """
 
 from segback.trainer.checkpoints import ResumeError, TrainingDiverged
-from segback.trainer.config import ConfigError, TrainConfig
+from segback.trainer.config import TrainConfigError, TrainConfig
 from segback.trainer.loop import evaluate, segmented_grad_fn, train
 
-__all__ = ["ConfigError", "ResumeError", "TrainConfig", "TrainingDiverged", "evaluate",
+__all__ = ["TrainConfigError", "ResumeError", "TrainConfig", "TrainingDiverged", "evaluate",
            "segmented_grad_fn", "train"]

@@ -33,7 +33,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from segback.adapters import CONFIG_FILE, WEIGHTS_FILE, base_fingerprint, \
+from segback.models.adapters import CONFIG_FILE, WEIGHTS_FILE, base_fingerprint, \
     save_safetensors_atomic
 from segback.io import atomic_write_json, atomic_write_text, read_json
 

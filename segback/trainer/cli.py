@@ -23,13 +23,14 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from segback.data import ByteTokenizer, DataError
+from segback.data.dataset import DataError
+from segback.data.tokens import ByteTokenizer
 from segback.engine import EngineOptions, OptionsError, Plan, PlanError, segments_of
 from segback.engine.options import parse_value
 from segback.io import atomic_write_json
 from segback.trainer import distributed, loop
 from segback.trainer.checkpoints import SUMMARY, Interrupted, ResumeError, TrainingDiverged
-from segback.trainer.config import ConfigError, TrainConfig, add_arguments, from_args, \
+from segback.trainer.config import TrainConfigError, TrainConfig, add_arguments, from_args, \
     split_engine
 from segback.trainer.stop import interruptible
 from segback.lock import LockedError, exclusive
@@ -65,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         if world is None or world.main:  # every rank stops at the same step; rank 0 says it
             print(f"segback train: {e}", file=sys.stderr)
         return 3
-    except (ConfigError, DataError, ResumeError, OptionsError, PlanError, ValueError,
+    except (TrainConfigError, DataError, ResumeError, OptionsError, PlanError, ValueError,
             OSError, ImportError, LockedError) as e:
         print(f"segback train: error: {distributed.who(world)}{e}", file=sys.stderr)
         return 2
@@ -99,7 +100,7 @@ def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
         result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg, grad_fn,
                             training_callback=callback, world=world)
     elif (Path(cfg.adapter_path) / "adapter_config.json").exists():
-        from segback.adapters import mount
+        from segback.models.adapters import mount
 
         mount(model, cfg.adapter_path)
     else:
@@ -137,7 +138,7 @@ def reporting_callback(cfg: TrainConfig) -> Any:
         return get_reporting_callbacks(cfg.report_to, project_name=cfg.project_name,
                                        log_dir=cfg.adapter_path, config=cfg.to_dict())
     except ImportError as e:
-        raise ConfigError(f"--report-to {cfg.report_to}: {e}") from None
+        raise TrainConfigError(f"--report-to {cfg.report_to}: {e}") from None
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -169,7 +170,7 @@ def attach(model: nn.Module, cfg: TrainConfig) -> None:
     --resume-adapter-file."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from segback.adapters import adapter_modules
+    from segback.models.adapters import adapter_modules
 
     if adapter_modules(model):
         raise ValueError("the model already has LoRA layers; pass a base model")
@@ -217,7 +218,7 @@ def load_adapter_file(model: nn.Module, path: str) -> None:
 def warn_other_base(model: nn.Module, config_file: Path, path: str) -> None:
     """Warn when the adapter_config.json beside --resume-adapter-file says it was trained on
     another base model (shapes alone cannot tell: a same-geometry model fits them)."""
-    from segback.adapters import base_fingerprint
+    from segback.models.adapters import base_fingerprint
 
     try:
         saved = json.loads(config_file.read_text()).get("base_model_sha256")
@@ -242,8 +243,8 @@ def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     unknown = [k for k in kwargs if k not in accepted]
     if unknown:
         takes = [k for k in accepted if k not in ("self", "learning_rate")]
-        raise ConfigError(f"optimizer_config.{cfg.optimizer}: {cls.__name__} has no "
-                          f"{', '.join(unknown)} (it takes {', '.join(takes)})")
+        raise TrainConfigError(f"optimizer_config.{cfg.optimizer}: {cls.__name__} has no "
+                               f"{', '.join(unknown)} (it takes {', '.join(takes)})")
     return cls(learning_rate=lr, **kwargs)
 
 
@@ -259,14 +260,14 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = No
     auto = {k for k, v in searched.items() if v == "auto"}
     if cfg.plan != "auto":
         if auto:
-            raise ConfigError(f"{', '.join(sorted(auto))} 'auto' needs --plan auto (the planner "
-                              "chooses them)")
+            raise TrainConfigError(f"{', '.join(sorted(auto))} 'auto' needs --plan auto (the "
+                                   "planner chooses them)")
         if cfg.target_gb is not None:
-            raise ConfigError(f"--target-gb {cfg.target_gb} needs --plan auto (a given plan has "
-                              "its own target: make it with `segback plan --target-gb`)")
+            raise TrainConfigError(f"--target-gb {cfg.target_gb} needs --plan auto (a given plan "
+                                   "has its own target: make it with `segback plan --target-gb`)")
         if cfg.measure_plan not in (0, "auto"):
-            raise ConfigError(f"--measure-plan {cfg.measure_plan} needs --plan auto (it times "
-                              "the planner's candidates)")
+            raise TrainConfigError(f"--measure-plan {cfg.measure_plan} needs --plan auto (it times "
+                                   "the planner's candidates)")
     n = len(model.layers)
     if cfg.plan == "auto":
         from segback.planner import plan_segments
@@ -298,9 +299,9 @@ def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = No
                model_type=getattr(text_parts(model)[1], "model_type", None),
                seq_len=shard_length(cfg), batch_size=batch_size)
     if cfg.pack and plan.engine.tile:
-        raise ConfigError(f"--pack needs an untiled plan (this one has tiles of "
-                          f"{plan.engine.tile} tokens): the tiled engine builds no "
-                          "block-diagonal masks; leave out --tile, or train unpacked")
+        raise TrainConfigError(f"--pack needs an untiled plan (this one has tiles of "
+                               f"{plan.engine.tile} tokens): the tiled engine builds no "
+                               "block-diagonal masks; leave out --tile, or train unpacked")
     return plan
 
 
@@ -316,19 +317,19 @@ def shard_length(cfg: TrainConfig) -> int:
 
 def check_context(cfg: TrainConfig) -> None:
     """--context-parallel's limits, the same on every rank (so every rank stops)."""
-    from segback.data import PAD_TO
+    from segback.data.dataset import PAD_TO
 
     R = cfg.context_parallel
     if cfg.pack:
-        raise ConfigError(f"--context-parallel {R} trains unpacked rows: leave out --pack "
-                          "(a shard of packed rows would need block-diagonal ring masks)")
+        raise TrainConfigError(f"--context-parallel {R} trains unpacked rows: leave out --pack "
+                               "(a shard of packed rows would need block-diagonal ring masks)")
     pieces = 2 * R if cfg.context_order == "zigzag" else R
     shortest = min(PAD_TO, cfg.max_seq_length - 1)  # the fewest tokens a batch may have
     if pieces > shortest:
-        raise ConfigError(f"--context-parallel {R} ({cfg.context_order}) splits a sequence into "
-                          f"{pieces} pieces, more than the {shortest} tokens of the shortest "
-                          "batch: use fewer context ranks" + (
-                              " or --context-order contiguous" if pieces > R else ""))
+        raise TrainConfigError(f"--context-parallel {R} ({cfg.context_order}) splits a sequence "
+                               f"into {pieces} pieces, more than the {shortest} tokens of the "
+                               "shortest batch: use fewer context ranks" + (
+                                   " or --context-order contiguous" if pieces > R else ""))
 
 
 def _planner_value(name: str, value: Any) -> Any:

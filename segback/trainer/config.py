@@ -43,7 +43,7 @@ ENGINE_ALIASES = {"offload_keep": "boundaries_on_device", "head_max_elements": "
 IGNORED_KEYS = ("config",)
 
 
-class ConfigError(ValueError):
+class TrainConfigError(ValueError):
     """An option with a value segback train cannot run; the message names the option."""
 
 
@@ -93,7 +93,7 @@ class TrainConfig:
 
     # mlx-lm's options (mlx_lm.lora), in its order.
     model: str | None = option(None, str, "model directory (mlx_lm.load layout) or a random "
-                               "geometry name (segback.models.geometry)")
+                               "geometry name (segback.models.random_init)")
     train: bool | None = option(None, bool, "train (default: unless only --test is given)")
     data: str | None = option(None, str, "directory with {train, valid, test}.jsonl, a data "
                               "file or a Hugging Face dataset name (segback.data)")
@@ -248,19 +248,19 @@ class TrainConfig:
         self.optimizer_config = _optimizer_config(self.optimizer_config)
         self.engine = _engine(self.engine)
         if self.training_mode != "normal":
-            raise ConfigError(
+            raise TrainConfigError(
                 f"training_mode {self.training_mode!r} is not supported: segback train does "
                 "supervised fine-tuning (training_mode: normal); for DPO, ORPO, GRPO and other "
                 "preference training use the mlx-lm-lora package (mlx_lm_lora.train)")
         if self.trust_remote_code:
-            raise ConfigError("trust_remote_code is not supported: segback loads models with "
-                              "mlx_lm.load's defaults; convert the model with mlx_lm.convert")
+            raise TrainConfigError("trust_remote_code is not supported: segback loads models with "
+                                   "mlx_lm.load's defaults; convert the model with mlx_lm.convert")
         if self.weight_decay is not None:
             self.optimizer_config.setdefault(self.optimizer, {})["weight_decay"] = \
                 self.weight_decay
             self.weight_decay = None
         if self.train is False and not self.test:
-            raise ConfigError("nothing to do: give --train and/or --test (as mlx_lm.lora)")
+            raise TrainConfigError("nothing to do: give --train and/or --test (as mlx_lm.lora)")
 
     @property
     def do_train(self) -> bool:
@@ -312,18 +312,18 @@ def _name(f: Any) -> str:
 def _number(v: Any, kind: type, what: str) -> Any:
     """An int or float from a number or a string (PyYAML reads 1e-5 as a string)."""
     if isinstance(v, bool):
-        raise ConfigError(f"{what} must be a number, not {v!r}")
+        raise TrainConfigError(f"{what} must be a number, not {v!r}")
     if isinstance(v, str):
         try:
             v = float(v.strip()) if kind is float or not re.fullmatch(r"\s*[-+]?\d+\s*", v) \
                 else int(v)
         except ValueError:
-            raise ConfigError(f"{what} must be a number, not {v!r}") from None
+            raise TrainConfigError(f"{what} must be a number, not {v!r}") from None
     if not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-        raise ConfigError(f"{what} must be a finite number, not {v!r}")
+        raise TrainConfigError(f"{what} must be a finite number, not {v!r}")
     if kind is int:
         if v != int(v):
-            raise ConfigError(f"{what} must be a whole number, not {v!r}")
+            raise TrainConfigError(f"{what} must be a whole number, not {v!r}")
         return int(v)
     return float(v)
 
@@ -334,7 +334,7 @@ def _boolean(v: Any, what: str) -> bool:
     low = str(v).strip().lower()
     if low in ("true", "on", "yes", "1", "false", "off", "no", "0"):
         return low in ("true", "on", "yes", "1")
-    raise ConfigError(f"{what} must be true or false, not {v!r}")
+    raise TrainConfigError(f"{what} must be true or false, not {v!r}")
 
 
 def _size(v: Any, what: str) -> int:
@@ -352,7 +352,7 @@ def _convert(f: Any, v: Any) -> Any:
         if kind is MAPPING and f.default is MISSING:
             return f.default_factory()  # mlx-lm writes lora_parameters: null for full
         if f.default is not None and f.name != "lr_schedule":  # null lr_schedule: constant
-            raise ConfigError(f"{what} needs a value")
+            raise TrainConfigError(f"{what} needs a value")
         return None
     if kind in (int, float):
         v = _number(v, kind, what)
@@ -362,17 +362,17 @@ def _convert(f: Any, v: Any) -> Any:
         v = _size(v, what)
     elif kind is str:
         if isinstance(v, (dict, list, bool)):
-            raise ConfigError(f"{what} must be a string, not {v!r}")
+            raise TrainConfigError(f"{what} must be a string, not {v!r}")
         v = str(v)
     elif kind is STRINGS:
         v = [v] if isinstance(v, str) else v
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise ConfigError(f"{what} must be a list of strings, not {v!r}")
+            raise TrainConfigError(f"{what} must be a list of strings, not {v!r}")
     elif kind is MAPPING:
         if f.name == "hf_dataset" and isinstance(v, list):
             return v
         if not isinstance(v, dict):
-            raise ConfigError(f"{what} must be a mapping, not {v!r}")
+            raise TrainConfigError(f"{what} must be a mapping, not {v!r}")
         v = dict(v)
     elif kind is PLAN:
         v = _plan(v, what)
@@ -380,16 +380,16 @@ def _convert(f: Any, v: Any) -> Any:
         v = "auto" if isinstance(v, str) and v.strip().lower() == "auto" else \
             _number(v, int, what)
         if v != "auto" and v < 0:
-            raise ConfigError(f"{what} {v!r}: must be auto or >= 0")
+            raise TrainConfigError(f"{what} {v!r}: must be auto or >= 0")
     elif kind is SCHEDULE:
         v = _schedule(v, what)
     choices = f.metadata["choices"]
     if choices and isinstance(v, str) and v not in choices:
-        raise ConfigError(f"{what} must be one of {', '.join(choices)}, not {v!r}")
+        raise TrainConfigError(f"{what} must be one of {', '.join(choices)}, not {v!r}")
     check = f.metadata["check"]
     problem = check(v) if check else None
     if problem:
-        raise ConfigError(f"{what} {v!r}: {problem}")
+        raise TrainConfigError(f"{what} {v!r}: {problem}")
     return v
 
 
@@ -397,36 +397,37 @@ def _plan(v: Any, what: str) -> Any:
     if isinstance(v, str) and re.fullmatch(r"\s*\d+\s*", v):
         v = int(v)
     if isinstance(v, bool) or (isinstance(v, int) and v < 1):
-        raise ConfigError(f"{what} {v!r}: must be auto, a plan file or layers per segment >= 1")
+        raise TrainConfigError(f"{what} {v!r}: must be auto, a plan file or layers per "
+                               "segment >= 1")
     if isinstance(v, (int, str, list)):
         return v
-    raise ConfigError(f"{what} must be auto, a plan JSON file, layers per segment or a list "
-                      f"of [start, stop] ranges, not {v!r}")
+    raise TrainConfigError(f"{what} must be auto, a plan JSON file, layers per segment or a list "
+                           f"of [start, stop] ranges, not {v!r}")
 
 
 def _schedule(v: Any, what: str) -> Any:
     if isinstance(v, str):
         return v
     if not isinstance(v, dict):
-        raise ConfigError(f"{what} must be {' or '.join(SCHEDULES)} or a mapping "
-                          f"{{{', '.join(SCHEDULE_KEYS)}}}, not {v!r}")
+        raise TrainConfigError(f"{what} must be {' or '.join(SCHEDULES)} or a mapping "
+                               f"{{{', '.join(SCHEDULE_KEYS)}}}, not {v!r}")
     v = dict(v)
     _refuse_unknown(v, SCHEDULE_KEYS, "lr_schedule")
     import mlx.optimizers as optim
 
     name = v.get("name")
     if not isinstance(name, str) or not callable(getattr(optim.schedulers, name, None)):
-        raise ConfigError(f"lr_schedule.name must name a schedule of mlx.optimizers "
-                          f"(cosine_decay, linear_schedule, ...), not {name!r}")
+        raise TrainConfigError(f"lr_schedule.name must name a schedule of mlx.optimizers "
+                               f"(cosine_decay, linear_schedule, ...), not {name!r}")
     if not isinstance(v.get("arguments"), list) or not v["arguments"]:
-        raise ConfigError(f"lr_schedule.arguments must be a list (the first is the initial "
-                          f"learning rate), not {v.get('arguments')!r}")
+        raise TrainConfigError(f"lr_schedule.arguments must be a list (the first is the initial "
+                               f"learning rate), not {v.get('arguments')!r}")
     v["arguments"] = [_number(a, float, f"lr_schedule.arguments[{i}]")
                       if isinstance(a, str) else a for i, a in enumerate(v["arguments"])]
     if "warmup" in v:
         v["warmup"] = _number(v["warmup"], int, "lr_schedule.warmup")
         if v["warmup"] < 0:
-            raise ConfigError(f"lr_schedule.warmup {v['warmup']}: must be >= 0")
+            raise TrainConfigError(f"lr_schedule.warmup {v['warmup']}: must be >= 0")
     if "warmup_init" in v:
         v["warmup_init"] = _number(v["warmup_init"], float, "lr_schedule.warmup_init")
     return v
@@ -434,24 +435,24 @@ def _schedule(v: Any, what: str) -> Any:
 
 def _lora_parameters(p: dict) -> dict:
     if "alpha" in p and "scale" not in p:
-        raise ConfigError("lora_parameters has 'alpha': mlx-lm's LoRA uses 'scale' "
-                          "(= PEFT alpha / rank)")
+        raise TrainConfigError("lora_parameters has 'alpha': mlx-lm's LoRA uses 'scale' "
+                               "(= PEFT alpha / rank)")
     _refuse_unknown(p, LORA_KEYS, "lora_parameters")
     out = {"rank": 8, "scale": 20.0, "dropout": 0.0} | p
     out["rank"] = _number(out["rank"], int, "lora_parameters.rank (--lora-rank)")
     if out["rank"] < 1:
-        raise ConfigError(f"lora_parameters.rank (--lora-rank) {out['rank']}: must be >= 1")
+        raise TrainConfigError(f"lora_parameters.rank (--lora-rank) {out['rank']}: must be >= 1")
     out["scale"] = _number(out["scale"], float, "lora_parameters.scale (--lora-scale)")
     out["dropout"] = _number(out["dropout"], float, "lora_parameters.dropout (--lora-dropout)")
     if not 0 <= out["dropout"] < 1:
-        raise ConfigError(f"lora_parameters.dropout (--lora-dropout) {out['dropout']}: must "
-                          "be in [0, 1)")
+        raise TrainConfigError(f"lora_parameters.dropout (--lora-dropout) {out['dropout']}: must "
+                               "be in [0, 1)")
     keys = out.get("keys")
     if keys is None:
         out.pop("keys", None)
     elif not (isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys)):
-        raise ConfigError(f"lora_parameters.keys (--lora-keys) must be a list of module paths, "
-                          f"not {keys!r}")
+        raise TrainConfigError(f"lora_parameters.keys (--lora-keys) must be a list of module "
+                               f"paths, not {keys!r}")
     return out
 
 
@@ -462,8 +463,8 @@ def _optimizer_config(c: dict) -> dict:
         if kwargs is None:
             kwargs = {}
         if not isinstance(kwargs, dict):
-            raise ConfigError(f"optimizer_config.{name} must be a mapping of keyword "
-                              f"arguments, not {kwargs!r}")
+            raise TrainConfigError(f"optimizer_config.{name} must be a mapping of keyword "
+                                   f"arguments, not {kwargs!r}")
         out[name] = dict(kwargs)
     return out
 
@@ -477,12 +478,12 @@ def _engine(values: dict) -> dict:
     searched, runtime = split_engine(values)
     auto = [k for k, v in searched.items() if v == "auto"]
     if set(auto) - set(PLANNER_CHOOSES):
-        raise ConfigError(f"{auto[0]} has no 'auto'; the planner chooses "
-                          f"{', '.join(PLANNER_CHOOSES)}")
+        raise TrainConfigError(f"{auto[0]} has no 'auto'; the planner chooses "
+                               f"{', '.join(PLANNER_CHOOSES)}")
     try:  # what the planner will choose cannot be checked yet
         EngineOptions.from_dict(runtime if auto else searched | runtime, "engine options")
     except OptionsError as e:
-        raise ConfigError(str(e)) from None
+        raise TrainConfigError(str(e)) from None
     return values
 
 
@@ -495,7 +496,7 @@ def split_engine(values: dict) -> tuple[dict, dict]:
             continue
         if isinstance(v, str) and v.strip().lower() == "auto":
             if EngineOptions.__dataclass_fields__[k].default is not None:
-                raise ConfigError(f"{k} has no 'auto' (it takes a value; see --help)")
+                raise TrainConfigError(f"{k} has no 'auto' (it takes a value; see --help)")
             v = None
         runtime[k] = v
     for k, v in searched.items():
@@ -513,7 +514,7 @@ def _refuse_unknown(values: dict, known: Any, where: str) -> None:
             close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else \
                 f"; known: {', '.join(sorted(known))}"
-            raise ConfigError(f"{where}: unknown option '{key}'{hint}")
+            raise TrainConfigError(f"{where}: unknown option '{key}'{hint}")
 
 
 def normalize(values: dict[str, Any], where: str = "options") -> dict[str, Any]:
@@ -557,26 +558,26 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise TrainConfigError(f"config file not found: {path}") from None
     try:
         values = json.loads(text) if path.suffix == ".json" else yaml.load(text, _Loader)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}, line {e.lineno}, column {e.colno}: not valid JSON "
-                          f"({e.msg})") from None
+        raise TrainConfigError(f"{path}, line {e.lineno}, column {e.colno}: not valid JSON "
+                               f"({e.msg})") from None
     except yaml.YAMLError as e:  # the file, line and column, and the line itself
-        from segback.config_check import yaml_problem
+        from segback.experiment.config_check import yaml_problem
 
-        raise ConfigError(yaml_problem(path, e, text)) from None
+        raise TrainConfigError(yaml_problem(path, e, text)) from None
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise ConfigError(f"{path}: a config file is a mapping of option names to values")
+        raise TrainConfigError(f"{path}: a config file is a mapping of option names to values")
     if path.suffix != ".json":
-        from segback.config_check import duplicate_keys
+        from segback.experiment.config_check import duplicate_keys
 
         twice = duplicate_keys(path)
         if twice:
-            raise ConfigError(twice[0])
+            raise TrainConfigError(twice[0])
     return normalize(values, str(path))
 
 
@@ -625,10 +626,10 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig(**values)
     missing = ["model"] * (not cfg.model) + ["data"] * (not (cfg.data or cfg.hf_dataset))
     if missing:
-        raise ConfigError("missing option(s): " + ", ".join("--" + m for m in missing))
+        raise TrainConfigError("missing option(s): " + ", ".join("--" + m for m in missing))
     for flag, where in (("--adapter-path", cfg.adapter_path),
                         ("--checkpoint-dir", cfg.checkpoint_dir)):
         if where is not None and Path(where).exists() and not Path(where).is_dir():
-            raise ConfigError(f"{flag} {where} is a file, not a directory: give a directory "
-                              "(the adapter's files and checkpoints go inside it)")
+            raise TrainConfigError(f"{flag} {where} is a file, not a directory: give a directory "
+                                   "(the adapter's files and checkpoints go inside it)")
     return cfg

@@ -40,9 +40,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from segback.data import PAD_TO, TokenDataset
+from segback.data.dataset import PAD_TO, TokenDataset
 from segback.engine.packing import Packed
-from segback.data import batch_at as _batch_at
+from segback.data.dataset import batch_at as _batch_at
 from segback.trainer.checkpoints import TrainingDiverged, identity, trainable_weights
 
 BUCKET_BYTES = 32 << 20  # arrays all-summed together, as nn.average_gradients

@@ -30,18 +30,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from segback.data import (
-    DataError,
-    DataFormat,
-    TokenDataset,
-    encode_rows,
-    load_dataset,
-    validation_batches,
-)
+from segback.data.dataset import DataError, TokenDataset, validation_batches
+from segback.data.formats import DataFormat, encode_rows
+from segback.data.sources import load_dataset
 from segback.engine import memory_stats, reset_peak
 from segback.engine.packing import input_tokens as count_input_tokens
-from segback.packing import PackedDataset, pack_dataset
-from segback.packing import describe as describe_packing
+from segback.data.packing import PackedDataset, pack_dataset
+from segback.data.packing import describe as describe_packing
 from segback.trainer import distributed
 from segback.trainer.checkpoints import Interrupted, Run
 from segback.trainer.distributed import World
@@ -377,7 +372,7 @@ def load_data(args: Any, tokenizer: Any) -> tuple[TokenDataset | None, ...]:
 
 def packed(train_set: TokenDataset, args: Any) -> TokenDataset:
     """With --pack, the training examples packed into rows of --max-seq-length tokens
-    (`segback.packing`); validation and test stay unpacked (the same loss either way, and
+    (`segback.data.packing`); validation and test stay unpacked (the same loss either way, and
     comparable with unpacked runs)."""
     if not getattr(args, "pack", False) or isinstance(train_set, PackedDataset):
         return train_set

@@ -171,7 +171,7 @@ def wildcard_tag(wildcards):
     return wildcards.seq if "seq" in wildcards.keys() else single_tag()
 
 
-# (`model` naming an entry of `models`, reserved names: segback.config_check.)
+# (`model` naming an entry of `models`, reserved names: segback.experiment.config_check.)
 
 
 wildcard_constraints:

@@ -7,7 +7,7 @@
 # also generated and scored, as in the chunking experiment. Planning, training, export, plots
 # and config stamps are the shared rules (train.smk, results.smk), under RUN =
 # results/{model}/{dataset.name}. The result is results/{model}_{name}_eval.json, validated
-# against segback/generic_result.schema.json.
+# against segback/experiment/generic_result.schema.json.
 
 
 def dataset_source():
@@ -243,7 +243,7 @@ def generic_score_flags(wildcards, input):
 rule summarize:
     input:
         stamps=lambda w: stamp_files(w.model, w.seq if "seq" in w.keys() else None),
-        schema=os.path.join(workflow.basedir, "segback/generic_result.schema.json"),
+        schema=os.path.join(workflow.basedir, "segback/experiment/generic_result.schema.json"),
         baseline=RUN + "/baseline/eval.json",
         finetuned=lambda w: f"{run_dir(w.model)}/seq{wildcard_tag(w)}/finetuned/eval.json",
         scores=generic_scores,

@@ -1,6 +1,6 @@
 # Report figures and the final result. The figures (plots) and the config stamps serve both
 # tasks. task: chunking: results/{model}_chunk_score.json (validated against
-# segback/result.schema.json) and its HTML score table. summarize takes the configured
+# segback/experiment/result.schema.json) and its HTML score table. summarize takes the configured
 # `seq`, so changing `seq` re-runs it (its inputs change). A sweep (common.smk) summarizes each
 # branch into results/{model}/seq{seq}/chunk_score.json (summarize_branch) and gathers the
 # branches into results/sweep_summary.{json,md,html} (sweep_summary). task: generic has its own
@@ -58,7 +58,7 @@ if not GENERIC:
     rule summarize:
         input:
             stamps=lambda w: stamp_files(w.model, w.seq if "seq" in w.keys() else None),
-            schema=os.path.join(workflow.basedir, "segback/result.schema.json"),
+            schema=os.path.join(workflow.basedir, "segback/experiment/result.schema.json"),
             baseline="results/{model}/baseline/score.json",
             finetuned=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/finetuned/score.json",
             adapter=lambda w: f"results/{w.model}/seq{wildcard_tag(w)}/adapter",

@@ -14,7 +14,7 @@ PEFT conventions (what `peft.PeftModel.from_pretrained` reads):
   `_name_or_path` Hub id in the model dir's config.json, which `prepare-model --source hub`
   records), else the model's absolute local path, with a warning.
 
-The adapter is checked before anything is written (segback.adapters: config readable, tensors
+The adapter is checked before anything is written (segback.models.adapters: config readable, tensors
 readable and finite, rank as configured, every tensor a parameter of the model's adapted modules
 with the same shape), and OUT is built in a scratch directory beside it and renamed into place.
 """
@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from segback.adapters import (
+from segback.models.adapters import (
     CONFIG_FILE,
     EMBEDDING_TYPES,
     WEIGHTS_FILE,
@@ -167,7 +167,7 @@ def to_peft(
 
 def _load_base(model_spec: str, lazy: bool = True) -> nn.Module:
     """The base model's module tree (weights lazy: only types and shapes are needed)."""
-    from segback.models.geometry import GEOMETRIES, build_model
+    from segback.models.random_init import GEOMETRIES, build_model
 
     if model_spec in GEOMETRIES and not Path(model_spec).exists():
         return build_model(model_spec)

@@ -14,6 +14,8 @@ import re
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from segback.io import cache_root
+
 ENV = "MLX_PTX_CACHE_DIR"
 
 
@@ -33,8 +35,6 @@ def persist_kernel_cache(env: MutableMapping[str, str] = os.environ) -> str | No
 
     if not mx.cuda.is_available():
         return None
-    from segback.models.gguf import cache_root
-
     name = str(mx.device_info().get("device_name", "gpu"))
     path = kernel_cache_dir(cache_root(), mx.__version__, name)
     path.mkdir(parents=True, exist_ok=True)

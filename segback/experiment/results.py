@@ -3,7 +3,7 @@
 Reads the baseline and fine-tuned score summaries (`segback score`), the training summary
 (`segback train`'s adapter/train_summary.json), the segment plan (`segback plan`) and, when given,
 Snakemake benchmark files; writes `results/{model}_chunk_score.json` after validating it against
-`segback/result.schema.json`, and optionally a small HTML score table for the report.
+`segback/experiment/result.schema.json`, and optionally a small HTML score table for the report.
 
 `segback summarize --sweep BRANCHES` gathers a sweep's per-branch results into one table
 (`results/sweep_summary.json`, `--markdown`, `--table`): one row per branch with its fine-tuned
@@ -12,7 +12,7 @@ score, valid-JSON rate, peak training memory and training time.
 `segback summarize --task generic` does the same for the workflow's generic task (the user's own
 data): the baseline and fine-tuned held-out loss and perplexity (`segback evaluate`), and, when
 a scorer ran, its scores beside them, into `results/{model}_{dataset}_eval.json`, validated
-against `segback/generic_result.schema.json`. A sweep of such results is tabled by loss.
+against `segback/experiment/generic_result.schema.json`. A sweep of such results is tabled by loss.
 """
 
 from __future__ import annotations
@@ -570,8 +570,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stamp", action="append", default=[], metavar="PATH",
                         help="a stage's config stamp (segback stamp); repeatable")
     parser.add_argument("--schema", default=None,
-                        help="result JSON Schema (default: segback/result.schema.json, or "
-                             "generic_result.schema.json with --task generic)")
+                        help="result JSON Schema (default: segback/experiment/result.schema.json, "
+                             "or generic_result.schema.json with --task generic)")
     parser.add_argument("--task", choices=("chunking", "generic"), default="chunking",
                         help="generic: the user's own data; --baseline-eval/--finetuned-eval "
                              "(segback evaluate) are the results, --baseline/--finetuned the "

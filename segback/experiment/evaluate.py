@@ -41,17 +41,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from segback.data import (
-    SPLITS,
-    DataError,
-    DataFormat,
-    RawSplit,
-    encode_row,
-    fit,
-    read_splits,
-    row_format,
-    tokenize_split,
-)
+from segback.data.dataset import DataError
+from segback.data.formats import DataFormat, encode_row, fit, RawSplit, row_format, tokenize_split
+from segback.data.sources import SPLITS, read_splits
 from segback.io import atomic_write_json, atomic_write_jsonl
 
 STANDARD = DataFormat()  # the field names rows are written with
@@ -194,7 +186,7 @@ def fits(rows: list[dict], where: list[str], tokenizer: Any, max_tokens: int, ma
 def load_tokenizer(model: str) -> Any:
     """The tokenizer `segback train` uses for `model`, without its weights: the checkpoint's,
     or bytes (`ByteTokenizer`) for a model that ships none."""
-    from segback.data import ByteTokenizer
+    from segback.data.tokens import ByteTokenizer
 
     path = Path(model)
     if path.is_dir() and any((path / f).exists() for f in TOKENIZER_FILES):
@@ -247,7 +239,7 @@ def evaluate_loss(model: Any, dataset: Any, max_seq_length: int, batch_size: int
 
 
 def loss_main(args: argparse.Namespace, fmt: DataFormat) -> int:
-    from segback.data import ByteTokenizer
+    from segback.data.tokens import ByteTokenizer
     from segback.models.load import load
 
     source = parse_source(args.data)

@@ -15,6 +15,7 @@ called exactly as mlx-lm's tuner datasets call it, so segback trains on the (ids
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
@@ -52,8 +53,8 @@ def normalize_bos(tokenizer: Any, ids: list[int]) -> tuple[list[int], int]:
     return (ids, 0) if ids and ids[0] == bos else ([bos, *ids], 1)
 
 
-def _with_bos(tokenizer: Any, ids: list[int]) -> list[int]:
-    """`normalize_bos` without the shift (kept for callers of the old name)."""
+def with_bos(tokenizer: Any, ids: list[int]) -> list[int]:
+    """`ids` with the tokenizer's `<bos>` exactly once (`normalize_bos`, offsets not needed)."""
     return normalize_bos(tokenizer, ids)[0]
 
 
@@ -143,3 +144,21 @@ def encode_example(tokenizer: Any, messages: list[dict], tools: list | None = No
     while n < min(len(full), len(prompt)) and full[n] == prompt[n]:
         n += 1
     return full, n
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, EOS = 0: lets random-geometry models (vocab >= 256) train.
+
+    Only for smoke runs and benchmarks on `segback.models.random_init` models, which ship no
+    tokenizer.
+    """
+
+    eos_token_id = 0
+    bos_token_id = None
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 < int(i) < 256).decode("utf-8", errors="replace")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from segback.data import PAD_TO, TokenDataset
+from segback.data.dataset import PAD_TO, TokenDataset
 from segback.engine.packing import Packed
 
 Example = tuple[list[int], int]  # (ids, offset): the loss counts ids[max(offset, 1):]

@@ -10,9 +10,9 @@ last silently). All of it runs when the workflow loads, before Snakemake removes
 `prepare_config` is what the Snakefile calls: it first turns `--config` strings into the
 schema's types and expands the `dataset` shorthand (`coerce_config`), then checks. The names a
 config may not give (`RESERVED_MODEL_NAMES`, `RESERVED_DATASET_NAMES`) are listed here only.
-`python -m segback.config_check FILE...` reads config files as YAML and names the file, line and
-column of a syntax error (Snakemake reads `--configfile` files before the Snakefile runs and
-says only that one is not valid YAML); `make run` runs it first.
+`python -m segback.experiment.config_check FILE...` reads config files as YAML and names the
+file, line and column of a syntax error (Snakemake reads `--configfile` files before the
+Snakefile runs and says only that one is not valid YAML); `make run` runs it first.
 """
 
 from __future__ import annotations
@@ -359,8 +359,8 @@ def checked_configfile(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m segback.config_check FILE...`: exit 1 naming each file that is not a readable
-    YAML mapping (file, line and column of a syntax error) or gives a key twice."""
+    """`python -m segback.experiment.config_check FILE...`: exit 1 naming each file that is not a
+    readable YAML mapping (file, line and column of a syntax error) or gives a key twice."""
     paths = sys.argv[1:] if argv is None else argv
     try:
         check_files(paths)
