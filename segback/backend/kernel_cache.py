@@ -14,6 +14,8 @@ import re
 from collections.abc import MutableMapping
 from pathlib import Path
 
+import mlx.core as mx
+
 from segback.io import cache_root
 
 ENV = "MLX_PTX_CACHE_DIR"
@@ -31,8 +33,6 @@ def persist_kernel_cache(env: MutableMapping[str, str] = os.environ) -> str | No
     """
     if env.get(ENV):
         return env[ENV]
-    import mlx.core as mx
-
     if not mx.cuda.is_available():
         return None
     name = str(mx.device_info().get("device_name", "gpu"))

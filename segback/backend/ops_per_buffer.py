@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+import mlx.core as mx
+
 ENV = "MLX_MAX_OPS_PER_BUFFER"
 CUDA_DEFAULT = 4
 
@@ -22,8 +24,6 @@ def limit_ops_per_buffer(env: MutableMapping[str, str] = os.environ) -> str | No
     """Set MLX_MAX_OPS_PER_BUFFER (unless the user did) on a CUDA machine; return its value."""
     if env.get(ENV):
         return env[ENV]
-    import mlx.core as mx
-
     if not mx.cuda.is_available():
         return None
     env[ENV] = str(CUDA_DEFAULT)

@@ -160,8 +160,6 @@ def bench_batch(B: int, L: int, vocab: int, prompt_frac: float, pack: int | None
                 packed: bool):
     """(batch, lengths) of random tokens: B rows of L + 1 tokens; with `pack` N, B x N examples
     of (L + 1) // N tokens, packed N to a row (`packed`) or one per row."""
-    import mlx.core as mx
-
     if not pack:
         return (mx.random.randint(0, vocab, (B, L + 1)),
                 mx.array([[int(prompt_frac * L), L]] * B))

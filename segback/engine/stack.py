@@ -20,6 +20,9 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gemma4_text import logit_softcap
 
+from segback.engine.attention import Blocks, MaskSpec
+from segback.engine.packing import attention_mask
+
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
 SUPPORTED_TYPES = (*DENSE_TYPES, "gemma3_text", "gemma3", "gemma4_text", "gemma4")
 WRAPPER_TYPES = ("gemma3", "gemma4")  # multimodal: the text model is `language_model`
@@ -109,16 +112,12 @@ class Stack:
         """
         sliding = "sliding_attention" in self.layer_types
         if segments is not None and not descriptors:
-            from segback.engine.packing import attention_mask
-
             ids = mx.array(segments)
             out = {"full_attention": attention_mask(ids)}
             if sliding:
                 out["sliding_attention"] = attention_mask(ids, self.window)
             return out
         if descriptors:
-            from segback.engine.attention import Blocks, MaskSpec
-
             blocks = None if segments is None else Blocks(segments)
             out: dict[str, Mask] = {"full_attention": MaskSpec("causal", blocks=blocks)}
             if sliding:

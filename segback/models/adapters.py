@@ -8,12 +8,14 @@ adapter_path=...)`, `mlx_lm.generate --adapter-path` and `mlx_lm.fuse` read what
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
@@ -102,10 +104,6 @@ def base_fingerprint(model: nn.Module) -> str:
     its embedding table's first rows (never adapted, also for full fine-tuning). Recorded in a
     trained adapter's config (`base_model_sha256`), so an adapter used on another base model
     is noticed."""
-    import hashlib
-
-    import numpy as np
-
     outer = model.language_model if getattr(model, "model_type", None) == "gemma4" else model
     args = getattr(outer, "args", None)
     h = hashlib.sha256(json.dumps(getattr(args, "__dict__", {}), sort_keys=True,

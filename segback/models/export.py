@@ -31,7 +31,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
+from mlx_lm.tuner.lora import LoRASwitchLinear
+from mlx_lm.utils import dequantize_model, load, load_model, save
 
+from segback.io import atomic_dir, atomic_write_json
 from segback.models.adapters import (
     CONFIG_FILE,
     EMBEDDING_TYPES,
@@ -46,7 +50,7 @@ from segback.models.adapters import (
     save_safetensors_atomic,
     validate_adapter,
 )
-from segback.io import atomic_dir, atomic_write_json
+from segback.models.random_init import GEOMETRIES, build_model
 
 # mlx-lm module path prefix -> transformers module path prefix (first match wins).
 PREFIX_MAP = (("language_model.model.", "model.language_model."),)
@@ -79,8 +83,6 @@ def adapted_kinds(model: nn.Module) -> dict[str, str]:
 
     Shapes alone cannot tell a LoRA embedding ([vocab, r], [r, dim]) from a linear.
     """
-    from mlx_lm.tuner.lora import LoRASwitchLinear
-
     kinds = {}
     for name, m in adapter_modules(model):
         if isinstance(m, LoRASwitchLinear):
@@ -167,12 +169,8 @@ def to_peft(
 
 def _load_base(model_spec: str, lazy: bool = True) -> nn.Module:
     """The base model's module tree (weights lazy: only types and shapes are needed)."""
-    from segback.models.random_init import GEOMETRIES, build_model
-
     if model_spec in GEOMETRIES and not Path(model_spec).exists():
         return build_model(model_spec)
-    from mlx_lm.utils import load_model
-
     if not (Path(model_spec) / "config.json").is_file():
         raise FileNotFoundError(f"--model {model_spec}: not a model directory (no config.json) "
                                 f"nor a geometry name; pass the base model directory the "
@@ -250,9 +248,6 @@ def export_peft(model_spec: str | None, adapter: str | Path, out: str | Path,
 def export_fused(model_dir: str, adapter: str | Path, out: str | Path,
                  dequantize: bool = False) -> None:
     """`mlx_lm.fuse`'s steps: load with the adapter, fuse each LoRA layer, save with mlx-lm."""
-    from mlx.utils import tree_unflatten
-    from mlx_lm.utils import dequantize_model, load, save
-
     if not Path(model_dir).is_dir():
         raise ValueError("--fuse needs --model to be a model directory (with a tokenizer)")
     model, tokenizer, config = load(model_dir, return_config=True)

@@ -13,6 +13,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from mlx_lm.utils import MODEL_REMAPPING
+
 from segback.engine.stack import SUPPORTED_TYPES, WRAPPER_TYPES
 
 # config.json keys that mean routed experts (mixtral, qwen*_moe, deepseek, gemma4's MoE block...).
@@ -58,8 +60,6 @@ def unsupported_reason(config: dict) -> str | None:
     if not model_type:
         return "config.json has no model_type"
     if model_type not in SUPPORTED_TYPES:
-        from mlx_lm.utils import MODEL_REMAPPING
-
         known = importlib.util.find_spec(
             f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}") is not None
         return ("segback has no layer-stack adapter for it" if known

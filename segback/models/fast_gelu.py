@@ -10,10 +10,10 @@ backward is one fused kernel too instead of a graph of a dozen elementwise passe
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import gemma2, gemma3_text
 
 # Eigen's generic_fast_tanh_float: numerator (odd powers 1..13) and denominator (even 0..6).
 _NUM = (4.89352455891786e-03, 6.37261928875436e-04, 1.48572235717979e-05,
@@ -69,12 +69,8 @@ def _fast_mlp_class(base: type) -> type:
     return type(base.__name__, (base,), {"__call__": __call__, "__module__": __name__})
 
 
-@lru_cache(maxsize=1)
-def _gelu_mlp_classes() -> dict[type, type]:
-    """mlx-lm's MLPs whose forward is exactly down(gelu_approx(gate(x)) * up(x))."""
-    from mlx_lm.models import gemma2, gemma3_text
-
-    return {cls: _fast_mlp_class(cls) for cls in (gemma2.MLP, gemma3_text.MLP)}
+# mlx-lm's MLPs whose forward is exactly down(gelu_approx(gate(x)) * up(x)), and their swaps.
+_FAST_MLPS = {cls: _fast_mlp_class(cls) for cls in (gemma2.MLP, gemma3_text.MLP)}
 
 
 def use_fast_gelu(model: nn.Module) -> int:
@@ -83,10 +79,9 @@ def use_fast_gelu(model: nn.Module) -> int:
     Parameters, LoRA layers and checkpoints are untouched (the class changes, not the module
     tree). Returns how many MLPs were swapped; other architectures are left as they are.
     """
-    swaps = _gelu_mlp_classes()
     count = 0
     for _, module in model.named_modules():
-        fast = swaps.get(type(module))
+        fast = _FAST_MLPS.get(type(module))
         if fast is not None:
             module.__class__ = fast
             count += 1

