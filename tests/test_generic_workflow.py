@@ -32,7 +32,7 @@ from test_workflow import (
     write_yaml,
 )
 
-from segback.experiment import results
+from segback.experiment import result_parts as results
 
 GENERIC_SMOKE = REPO / "config" / "generic_smoke.yaml"
 GENERIC_SCHEMA = REPO / "segback" / "experiment" / "generic_result.schema.json"

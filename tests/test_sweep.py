@@ -22,7 +22,7 @@ from test_workflow import (
     write_yaml,
 )
 
-from segback.experiment import results
+from segback.experiment import result_parts as results
 
 # Two tiny random models (entries as in config/smoke.yaml) x two training lengths.
 SWEEP = {

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from segback.experiment import results
+from segback.experiment import result_parts as results
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
