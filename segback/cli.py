@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("segback.trainer.cli", "train a LoRA adapter with segmented backward"),
     "export": ("segback.models.export", "export an adapter (mlx-lm, PEFT, fused)"),
     "bench": ("segback.benchmark.cli", "benchmark mlx-lm full/checkpoint vs segmented backward"),
-    "summarize": ("segback.experiment.results", "assemble the experiment's result JSON"),
+    "summarize": ("segback.experiment.summarize", "assemble the experiment's result JSON"),
     "plots": ("segback.experiment.plots", "plot loss and memory curves for the report"),
     "stamp": ("segback.experiment.stamp", "record a stage's effective config (for the workflow)"),
     "evaluate": ("segback.experiment.evaluate",

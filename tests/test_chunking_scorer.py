@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from segback.chunking import scorer
+from segback.chunking import extract, inputs, metrics, placement, scorer
+from segback.chunking.extract import extract_json
 from segback.chunking.prompt import gold_completion
-from segback.chunking.scorer import extract_json, score_case, score_predictions
+from segback.chunking.scorer import score_case, score_predictions
 
 FIXTURE = Path(__file__).parent / "fixtures" / "chunking_cases.jsonl"
 
@@ -239,7 +240,7 @@ def test_one_swapped_anchor_loses_one_chunk(case):
     ([1, 1, 1], [True, False, False]),
 ])
 def test_in_order_keeps_longest_increasing_run(positions, keep):
-    assert scorer.in_order(positions) == keep
+    assert placement.in_order(positions) == keep
 
 
 @pytest.mark.parametrize("label, problem", [
@@ -323,13 +324,13 @@ def test_many_chunks_fail_schema_and_are_not_all_examined(case):
 
 def test_schema_max_items_matches_scorer():
     schema = json.loads(scorer.SCHEMA_PATH.read_text())
-    assert schema["properties"]["chunks"]["maxItems"] == scorer.MAX_CHUNKS
+    assert schema["properties"]["chunks"]["maxItems"] == placement.MAX_CHUNKS
 
 
 def test_fenced_blocks_are_bounded():
-    blocks = scorer.fenced_blocks("```a``` ``` b ```" * 100 + "```open")
-    assert len(blocks) == scorer.MAX_FENCES and blocks[:2] == ["a", " b "]
-    assert scorer.fenced_blocks("no fences ``` here") == []
+    blocks = extract.fenced_blocks("```a``` ``` b ```" * 100 + "```open")
+    assert len(blocks) == extract.MAX_FENCES and blocks[:2] == ["a", " b "]
+    assert extract.fenced_blocks("no fences ``` here") == []
 
 
 # --- malformed answers get the points their parts earn ------------------------------------------
@@ -461,7 +462,7 @@ def test_summary_is_strict_json_and_means_skip_undefined(cases):
     s = score_predictions([short, cases[2]], preds)
     assert s["cases"][0]["pk"] is None and s["pk"] == 0.0  # mean over the defined case only
     assert s["mean_generated_tokens"] == 7 and s["cases"][0]["generated_tokens"] is None
-    assert [scorer.finite(v) for v in (3, 2.5, float("inf"), float("nan"), True, "1")] == [
+    assert [metrics.finite(v) for v in (3, 2.5, float("inf"), float("nan"), True, "1")] == [
         3, 2.5, None, None, None, None]
     scorer.to_json(s)  # raises on NaN/Infinity
     with pytest.raises(ValueError):
@@ -501,11 +502,11 @@ def test_bad_gold_case_content(tmp_path, cases):
     bad = dict(cases[0], gold={"chunks": [{"anchor": "nope", "label": "x"}]})
     data = tmp_path / "test.jsonl"
     data.write_text(json.dumps(cases[1]) + "\n" + json.dumps(bad) + "\n" + json.dumps(cases[1]))
-    with pytest.raises(scorer.InputError, match=r"test.jsonl:2: gold anchor 'nope' is not"):
-        scorer.read_cases(data)
+    with pytest.raises(inputs.InputError, match=r"test.jsonl:2: gold anchor 'nope' is not"):
+        inputs.read_cases(data)
     data.write_text(json.dumps(cases[1]) + "\n" + json.dumps(cases[1]) + "\n")
-    with pytest.raises(scorer.InputError, match=r"test.jsonl:2: case id .* repeats line 1"):
-        scorer.read_cases(data)
+    with pytest.raises(inputs.InputError, match=r"test.jsonl:2: case id .* repeats line 1"):
+        inputs.read_cases(data)
 
 
 def test_missing_predictions_file_exits_with_a_message(tmp_path, cases):

@@ -24,6 +24,7 @@ from test_workflow import (
     CONFIG_SCHEMA,
     FAKE_SEGBACK,
     REPO,
+    RESULT_SCHEMA,
     SMOKE,
     STAGE_MODULES,
     job_counts,
@@ -32,7 +33,7 @@ from test_workflow import (
     write_yaml,
 )
 
-from segback.experiment import results
+from segback.experiment.result_parts import ResultError, validate_result
 
 GENERIC_SMOKE = REPO / "config" / "generic_smoke.yaml"
 GENERIC_SCHEMA = REPO / "segback" / "experiment" / "generic_result.schema.json"
@@ -234,7 +235,7 @@ def test_generic_fake_run_reaches_the_result(tmp_path, generic_env):
     out = snakemake(work, *cfg, env=env).stdout
     assert job_counts(out) == GENERIC_RULES
     result = json.loads((work / RESULT).read_text())
-    results.validate_result(result, GENERIC_SCHEMA)
+    validate_result(result, GENERIC_SCHEMA)
     assert (result["task"], result["dataset"], result["model"]) == ("generic", "generic", "tiny")
     assert result["baseline"]["loss"] == 2.5 and result["finetuned"]["loss"] == 1.0
     assert result["delta"]["loss"] == pytest.approx(-1.5)
@@ -262,7 +263,7 @@ def test_generic_fake_run_reaches_the_result(tmp_path, generic_env):
     out = snakemake(work, "--cores", "2", "--configfile", str(SMOKE), env=env).stdout
     counts = job_counts(out)
     assert "prepare_model" not in counts and counts["build_dataset"] == 1, counts
-    results.validate_result(json.loads((work / "results/tiny_chunk_score.json").read_text()))
+    validate_result(json.loads((work / "results/tiny_chunk_score.json").read_text()), RESULT_SCHEMA)
     out = snakemake(work, *cfg, env=env).stdout
     assert "Nothing to be done" in out, out[-2000:]  # nothing of the generic run was touched
 
@@ -275,7 +276,7 @@ def test_generic_fake_run_with_a_scorer(tmp_path, generic_env):
                     env=env).stdout
     assert job_counts(out) == GENERIC_RULES | SCORER_RULES
     result = json.loads((work / RESULT).read_text())
-    results.validate_result(result, GENERIC_SCHEMA)
+    validate_result(result, GENERIC_SCHEMA)
     assert result["scorer"] == "chunking"
     assert result["scores"]["delta"]["mean_score"] == pytest.approx(50.0)
     assert "score_finetuned" in result["stages"]
@@ -292,7 +293,7 @@ def test_generic_fake_sweep(tmp_path, generic_env):
     assert sorted(r["seq"] for r in sweep["rows"]) == [128, 256]
     for r in sweep["rows"]:
         assert r["loss"] == 1.0 and r["baseline_loss"] == 2.5 and r["delta_loss"] == -1.5
-        results.validate_result(json.loads((work / r["result"]).read_text()), GENERIC_SCHEMA)
+        validate_result(json.loads((work / r["result"]).read_text()), GENERIC_SCHEMA)
     md = (work / "results/generic_sweep_summary.md").read_text()
     assert "test loss" in md and "Lowest fine-tuned test loss" in md
 
@@ -409,12 +410,12 @@ def test_summarize_generic_unit(tmp_path, capsys):
             "--out", str(tmp_path / "r.json"), "--table", str(tmp_path / "r.html")]
     assert main(args) == 0
     r = json.loads((tmp_path / "r.json").read_text())
-    results.validate_result(r, GENERIC_SCHEMA)
+    validate_result(r, GENERIC_SCHEMA)
     assert r["delta"]["loss"] == pytest.approx(-0.5) and r["dataset"] == "mine"
     assert "test loss" in (tmp_path / "r.html").read_text()
     # a chunking result is not a generic one, and the reverse
-    with pytest.raises(results.ResultError):
-        results.validate_result(r)
+    with pytest.raises(ResultError):
+        validate_result(r, RESULT_SCHEMA)
     # a scorer needs both scores
     assert main([*args, "--scorer", "chunking"]) == 2
     assert "--baseline, --finetuned" in capsys.readouterr().err
@@ -440,7 +441,7 @@ def test_generic_smoke_run(tmp_path):
     print(f"generic smoke run: {wall:.0f} s")
     assert job_counts(out) == GENERIC_RULES
     result = json.loads((work / RESULT).read_text())
-    results.validate_result(result, GENERIC_SCHEMA)
+    validate_result(result, GENERIC_SCHEMA)
     assert result["training"]["seq"] == 256 and result["training"]["steps"] == 3
     for side in ("baseline", "finetuned"):
         ev = result[side]

@@ -22,7 +22,7 @@ from test_workflow import (
     write_yaml,
 )
 
-from segback.experiment import results
+from segback.experiment.result_parts import validate_result
 
 # Two tiny random models (entries as in config/smoke.yaml) x two training lengths.
 SWEEP = {
@@ -161,7 +161,7 @@ def test_sweep_runs_to_the_table(tmp_path, fake_env):
         assert r["score"] == 60.0 and r["delta_score"] == 50.0 and r["valid_json_rate"] == 1.0
         assert r["peak_gb"] == 0.25 and r["train_seconds"] == 1.0 and r["lora_rank"] == 4
         branch = json.loads((work / r["result"]).read_text())
-        results.validate_result(branch, RESULT_SCHEMA)
+        validate_result(branch, RESULT_SCHEMA)
         assert branch["model"] == r["model"] and branch["training"]["seq"] == r["seq"]
     md = (res / "sweep_summary.md").read_text()
     assert md.count("\n| tiny") == 4 and "valid JSON" in md and "peak GB" in md
@@ -224,5 +224,5 @@ def test_real_smoke_sweep(tmp_path):
     for seq in (512, 640):
         result = json.loads((work / "results" / "tiny" / f"seq{seq}" /
                              "chunk_score.json").read_text())
-        results.validate_result(result, RESULT_SCHEMA)
+        validate_result(result, RESULT_SCHEMA)
         assert result["training"]["seq"] == seq

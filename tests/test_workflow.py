@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from segback.experiment import results
+from segback.experiment.chunk_result import build_result
+from segback.experiment.result_parts import METRICS, ResultError, validate_result
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
@@ -191,7 +192,7 @@ def test_rule_graph_order(tmp_path):
 # ---- summarize / plots units -------------------------------------------------------------------
 
 def fake_score(mean: float) -> dict:
-    s = {k: 0.5 for k in results.METRICS}
+    s = {k: 0.5 for k in METRICS}
     s.update(n=3, mean_score=mean, mean_generated_tokens=20.0, cases=[{"id": "x"}])
     return s
 
@@ -221,7 +222,7 @@ def test_summarize_builds_valid_result_and_table(tmp_path):
                "--out", str(out), "--table", str(table)])
     assert rc == 0
     r = json.loads(out.read_text())
-    results.validate_result(r, RESULT_SCHEMA)
+    validate_result(r, RESULT_SCHEMA)
     assert r["delta"]["mean_score"] == pytest.approx(70.5)
     assert "n" not in r["delta"] and "cases" not in r["finetuned"]
     assert r["training"]["segments"] == [[0, 6], [6, 12]]
@@ -234,14 +235,14 @@ def test_summarize_builds_valid_result_and_table(tmp_path):
 def test_summarize_reports_schema_mismatch(tmp_path, capsys):
     good = fake_score(1.0)
     bad = dict(good, valid_json_rate=1.7)  # a rate above 1
-    result = results.build_result("m", good, bad, {"steps": 1, "seq": 8, "segments": [[0, 2]],
-                                                   "peak_gb": 0.1, "seconds": 1.0},
-                                  {"segments": [[0, 2]]})
-    with pytest.raises(results.ResultError, match=r"finetuned/valid_json_rate"):
-        results.validate_result(result, RESULT_SCHEMA)
+    result = build_result("m", good, bad, {"steps": 1, "seq": 8, "segments": [[0, 2]],
+                                           "peak_gb": 0.1, "seconds": 1.0},
+                          {"segments": [[0, 2]]})
+    with pytest.raises(ResultError, match=r"finetuned/valid_json_rate"):
+        validate_result(result, RESULT_SCHEMA)
     del good["pk"]
-    with pytest.raises(results.ResultError, match=r"missing score field\(s\) pk"):
-        results.build_result("m", good, good, {}, {})
+    with pytest.raises(ResultError, match=r"missing score field\(s\) pk"):
+        build_result("m", good, good, {}, {})
 
 
 def test_plots_write_pngs(tmp_path):
@@ -347,7 +348,7 @@ def test_fake_run_caches_and_reruns_exactly_what_changed(tmp_path, fake_env):
     out = snakemake(work, *cfg, env=env).stdout
     assert job_counts(out) == ALL_RULES
     result = json.loads(result_path(work, SMOKE).read_text())
-    results.validate_result(result, RESULT_SCHEMA)
+    validate_result(result, RESULT_SCHEMA)
     assert result["delta"]["mean_score"] == pytest.approx(50.0)
     assert result["training"]["seq"] == 512
     assert {"prepare_model", "train_lora", "baseline_eval", "score_finetuned"} <= set(
@@ -434,7 +435,7 @@ def test_smoke_run(tmp_path):
     assert job_counts(out) == ALL_RULES
     path = result_path(work, SMOKE)
     result = json.loads(path.read_text())
-    results.validate_result(result, RESULT_SCHEMA)
+    validate_result(result, RESULT_SCHEMA)
     assert result["model"] == "tiny" and result["training"]["seq"] == 512
     assert result["baseline"]["n"] == result["finetuned"]["n"] > 0
     export = work / "results" / "tiny" / "seq512" / "export"

@@ -22,6 +22,8 @@ import math
 import sys
 from typing import Any
 
+import numpy as np
+
 from segback.io import atomic_write_json, atomic_write_text, read_json, read_jsonl
 
 # (key, header, how a case row gives it, lower is better)
@@ -94,8 +96,6 @@ def summarize_rows(rows: list[dict]) -> dict:
 def paired(a: dict[str, dict], b: dict[str, dict], key: str, seed: int = 0) -> dict:
     """Per-case difference a - b of one metric over the cases both define it for: mean, a
     bootstrap 95% interval, and how many cases a is better, worse or equal on."""
-    import numpy as np
-
     get = next(g for k, _, g, _ in METRICS if k == key)
     lower = next(lo for k, _, _, lo in METRICS if k == key)
     diffs = [x - y for cid in a if cid in b

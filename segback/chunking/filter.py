@@ -15,8 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlx_lm.utils import load_tokenizer
+from tqdm import tqdm
+
 from segback.chunking.dataset import length_percentiles
 from segback.chunking.prompt import chat_rows, transcript
+from segback.data.tokens import encode_example
 from segback.io import atomic_write_json, atomic_write_jsonl, read_jsonl
 
 
@@ -34,10 +38,6 @@ def to_training_row(case: dict, n_tokens: int, prompt_tokens: int) -> dict:
 def filter_cases(cases: list[dict], tokenizer: Any, max_tokens: int, min_tokens: int = 0
                  ) -> tuple[list[dict], dict]:
     """(kept training rows, report) for cases of `min_tokens` to `max_tokens` tokens."""
-    from tqdm import tqdm
-
-    from segback.data.tokens import encode_example
-
     kept, all_lengths = [], []
     for case in tqdm(cases, desc="count tokens", file=sys.stderr, leave=False):
         ids, prompt_len = encode_example(tokenizer, chat_rows(case))
@@ -91,8 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mlx_lm.utils import load_tokenizer
-
     cases = read_cases(args.data)
     tokenizer = load_tokenizer(Path(args.model))
     kept, report = filter_cases(cases, tokenizer, args.max_tokens,

@@ -33,8 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from tqdm import tqdm
+
+from segback.chunking.extract import extract_json, reject_constant
 from segback.chunking.prompt import build_prompt, gold_completion
-from segback.io import atomic_write_jsonl, read_jsonl
+from segback.data.tokens import encode_chat, with_bos
+from segback.io import atomic_write_jsonl, atomic_write_text, read_jsonl
+from segback.models.load import load  # mlx-lm's loader, float32 on CPU (bf16 is ~35x slower)
 
 # End-of-turn markers of common chat formats; those in the vocabulary also stop generation.
 END_OF_TURN = ("<end_of_turn>", "<eos>", "<|im_end|>", "<|eot_id|>", "<|end|>",
@@ -52,15 +61,11 @@ def stop_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 class JsonWatch:
     """Sees streamed text; true once it holds a complete top-level JSON object.
 
     Braces count only inside an object and outside its strings, so each character is looked at
-    once; a balanced span is parsed (as strictly as the scorer's `extract_json`) only when its
+    once; a balanced span is parsed (as strictly as `extract.extract_json`) only when its
     closing brace arrives. A span that is not JSON (`{see below}`) is dropped and watching goes on.
     A stop therefore always follows a parsed object; the one miss is a `{` opening a span that
     never balances (a lone quote in it), after which the sequence runs to its cap as without
@@ -103,7 +108,7 @@ class JsonWatch:
 
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text, parse_constant=_reject_constant)
+        json.loads(text, parse_constant=reject_constant)
     except (ValueError, RecursionError):
         return False
     return True
@@ -133,8 +138,6 @@ def is_chunking_case(row: dict) -> bool:
 
 def row_request(tokenizer: Any, row: Any, index: int) -> Request:
     """The prompt of a data row (any of the formats in the module docstring)."""
-    from segback.data.tokens import encode_chat, with_bos as _with_bos
-
     if not isinstance(row, dict):
         raise ValueError(f"row {index + 1}: not a JSON object")
     rid = row.get("id", index)
@@ -150,7 +153,7 @@ def row_request(tokenizer: Any, row: Any, index: int) -> Request:
         kind, messages = "prompt", [{"role": "user", "content": row["prompt"]}]
         reference = row.get("completion")
     elif "text" in row:
-        ids = _with_bos(tokenizer, list(tokenizer.encode(row["text"])))
+        ids = with_bos(tokenizer, list(tokenizer.encode(row["text"])))
         return Request(str(rid), rid, ids, "text")
     else:
         raise ValueError(f"row {index + 1}: unknown format (keys: {sorted(row)}); expected a "
@@ -173,8 +176,6 @@ class _Decoding:
 
 
 def _finish(d: _Decoding, reason: str) -> dict:
-    from segback.chunking.scorer import extract_json
-
     d.detokenizer.finalize()
     text = d.detokenizer.text
     req = d.request
@@ -201,10 +202,6 @@ def generate_rows(model: Any, tokenizer: Any, requests: list[Request], max_token
     `stop_at_json=None` stops at complete JSON for chunking cases only. `progress` gets the
     number of tokens each decoding step produced.
     """
-    from mlx_lm.generate import BatchGenerator
-    from mlx_lm.sample_utils import make_sampler
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
     if not requests:
         return
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -290,8 +287,6 @@ class PartialWriter:
     """Appends finished rows durably: a kill loses at most the cases still in flight."""
 
     def __init__(self, path: Path, header: dict, rows: list[dict]) -> None:
-        from segback.io import atomic_write_text
-
         # Rewritten whole first, so a torn line from the last run cannot glue onto a new row.
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in [header, *rows]))
         self.f = open(path, "a", encoding="utf-8")
@@ -331,11 +326,6 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    import mlx.core as mx
-    from tqdm import tqdm
-
-    from segback.models.load import load  # mlx-lm's loader, float32 on CPU (bf16 is ~35x slower)
-
     if not Path(args.data).is_file():
         raise SystemExit(f"segback generate: data file not found: {args.data}")
     if args.batch_size < 1 or args.prefill_step_size < 1 or args.max_tokens < 1:

@@ -23,9 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlx_lm.utils import load_tokenizer
+from tqdm import tqdm
+
 from segback.chunking.dataset import length_percentiles
 from segback.chunking.filter import read_cases, to_training_row
 from segback.chunking.prompt import chat_rows, render_transcript, transcript
+from segback.data.tokens import encode_example
 from segback.io import atomic_write_json, atomic_write_jsonl
 
 
@@ -60,10 +64,7 @@ class _Counter:
     """Exact and estimated token counts of a case's windows."""
 
     def __init__(self, tokenizer: Any, case: dict) -> None:
-        from segback.data.tokens import encode_example
-
         self.tokenizer, self.case = tokenizer, case
-        self.encode_example = encode_example
         messages = transcript(case)
         self.blocks = [self._tokens(render_transcript([m])) for m in messages]
         self.join = self._tokens("\n\n")
@@ -83,7 +84,7 @@ class _Counter:
 
     def exact(self, start: int, stop: int) -> tuple[int, int]:
         """(tokens, prompt tokens) of the window's training example."""
-        ids, prompt = self.encode_example(self.tokenizer,
+        ids, prompt = encode_example(self.tokenizer,
                                           chat_rows(window_case(self.case, start, stop, 0)))
         return len(ids), prompt
 
@@ -123,8 +124,6 @@ def cut_cases(cases: list[dict], tokenizer: Any, window: int) -> tuple[list[dict
     how many tokens each side holds (all tokens, and the answer tokens the loss counts), so a
     run can give both kinds of training the same tokens per step.
     """
-    from tqdm import tqdm
-
     rows, per_case = [], []
     for case in tqdm(cases, desc="cut windows", file=sys.stderr, leave=False):
         windows = cut_case(case, tokenizer, window)
@@ -164,8 +163,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mlx_lm.utils import load_tokenizer
-
     if args.window < 1:
         raise SystemExit("segback window-data: --window must be positive")
     cases = read_cases(args.data)

@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import yaml
+
 NUMBER_LIKE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 
@@ -79,8 +82,6 @@ def check_config(config: dict, schema_path: str | Path,
                  files: list[str | Path] = ()) -> None:
     """Raise ConfigError listing every problem of `config` (merged from `files`), else
     return."""
-    import jsonschema
-
     schema = json.loads(Path(schema_path).read_text())
     validator = jsonschema.Draft202012Validator(schema)
     problems = [p for f in files for p in duplicate_keys(f)]
@@ -197,8 +198,6 @@ def non_finite(value: Any, path: tuple = ()) -> list[tuple[tuple, float]]:
 
 def _where(files: list[str | Path], path: tuple) -> str:
     """'FILE: ' for the last of `files` that sets `path` (the one that wins), else ''."""
-    import yaml
-
     for f in reversed(list(files)):
         try:
             node = yaml.safe_load(Path(f).read_text(encoding="utf-8"))
@@ -218,8 +217,6 @@ def _where(files: list[str | Path], path: tuple) -> str:
 
 def duplicate_keys(path: str | Path) -> list[str]:
     """A line for each key given twice in one mapping of the YAML file at `path`."""
-    import yaml
-
     found: list[str] = []
 
     class Loader(yaml.SafeLoader):
@@ -313,8 +310,6 @@ def yaml_problem(path: str | Path, error: Exception, text: str = "") -> str:
 def read_yaml(path: str | Path) -> Any:
     """The YAML file at `path`, or ConfigError naming the file (and the line of a syntax
     error)."""
-    import yaml
-
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:

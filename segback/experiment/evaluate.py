@@ -41,10 +41,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
 from segback.data.dataset import DataError
 from segback.data.formats import DataFormat, encode_row, fit, RawSplit, row_format, tokenize_split
 from segback.data.sources import SPLITS, read_splits
+from segback.data.tokens import ByteTokenizer
 from segback.io import atomic_write_json, atomic_write_jsonl
+from segback.models.load import load
+from segback.trainer import distributed, loop
 
 STANDARD = DataFormat()  # the field names rows are written with
 FEATURES = ("prompt_feature", "completion_feature", "chat_feature", "text_feature")
@@ -98,8 +104,6 @@ def standard_row(row: dict, fmt: DataFormat, kind: str | None, where: str) -> di
 def carve(n: int, valid: bool, test: bool, valid_fraction: float, test_fraction: float,
           seed: int, source: str) -> dict[str, list[int]]:
     """Train row indices per split when valid and/or test are cut out of train (seeded)."""
-    import numpy as np
-
     sizes = {s: max(1, round(f * n)) for s, f, want in (("valid", valid_fraction, valid),
                                                       ("test", test_fraction, test)) if want}
     if n - sum(sizes.values()) < 1:
@@ -186,12 +190,8 @@ def fits(rows: list[dict], where: list[str], tokenizer: Any, max_tokens: int, ma
 def load_tokenizer(model: str) -> Any:
     """The tokenizer `segback train` uses for `model`, without its weights: the checkpoint's,
     or bytes (`ByteTokenizer`) for a model that ships none."""
-    from segback.data.tokens import ByteTokenizer
-
     path = Path(model)
     if path.is_dir() and any((path / f).exists() for f in TOKENIZER_FILES):
-        from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
-
         return mlx_load_tokenizer(path)
     return ByteTokenizer()
 
@@ -232,16 +232,11 @@ def perplexity(loss: float | None) -> float | None:
 
 def evaluate_loss(model: Any, dataset: Any, max_seq_length: int, batch_size: int = 1) -> float:
     """Token-weighted mean loss over every example (the trainer's `evaluate`, one process)."""
-    from segback.trainer import distributed, loop
-
     args = SimpleNamespace(batch_size=batch_size, seed=0, max_seq_length=max_seq_length)
     return loop.evaluate(model, dataset, args, -1, distributed.SINGLE)
 
 
 def loss_main(args: argparse.Namespace, fmt: DataFormat) -> int:
-    from segback.data.tokens import ByteTokenizer
-    from segback.models.load import load
-
     source = parse_source(args.data)
     parts = eval_parts(source, args.split, fmt)  # before the model: a bad source fails fast
     tic = time.perf_counter()

@@ -32,10 +32,19 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def plot_loss(train: list[dict], val: list[dict], title: str = ""):
+def _pyplot():
+    """pyplot on the file-only Agg backend (compute nodes have no display); matplotlib is the
+    `experiment` extra's, so it loads on first use."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+    return plt
+
+
+def plot_loss(train: list[dict], val: list[dict], title: str = ""):
+    fig, ax = _pyplot().subplots(figsize=(7, 4), layout="constrained")
     x, y = _series(train, "loss")
     if x:
         ax.plot(x, y, marker="." if len(x) < 50 else None, label="train loss")
@@ -60,9 +69,7 @@ def _finish(ax, empty: str, ylabel: str, title: str) -> None:
 
 
 def plot_memory(train: list[dict], title: str = ""):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+    fig, ax = _pyplot().subplots(figsize=(7, 4), layout="constrained")
     for key, label in (("peak_gb", "peak"), ("active_gb", "active"), ("cache_gb", "cache")):
         x, y = _series(train, key)
         if x:
@@ -74,11 +81,7 @@ def plot_memory(train: list[dict], title: str = ""):
 
 
 def write_plots(log: str | Path, out_dir: str | Path, title: str = "") -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     train, val = split_log(read_jsonl(log))
     out_dir = Path(out_dir)
     written = []
