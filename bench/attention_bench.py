@@ -36,14 +36,9 @@ from mlx_lm.models.base import create_causal_mask
 
 from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import flash
-from segback.engine.attention import (
-    Blocks,
-    MaskSpec,
-    chunked_sdpa,
-    default_chunk_size,
-    fused_kernel,
-    fused_sdpa,
-)
+from segback.engine.masks import Blocks, MaskSpec
+from segback.engine.chunked import chunked_sdpa, default_chunk_size
+from segback.engine.attention import fused_kernel, fused_sdpa
 from segback.planner.flops import matmul_peak, mean_keys
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from segback.benchmark.provenance import append_rows, with_provenance  # noqa: E402
 from segback.engine import flash  # noqa: E402
-from segback.engine.attention import Blocks  # noqa: E402
+from segback.engine.masks import Blocks  # noqa: E402
 
 # (B, H, Hkv, Lq, Lk, window, packed example length)
 CASES = [

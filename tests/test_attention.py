@@ -7,18 +7,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import base, gemma3_text, gemma4_text, llama
 from mlx_lm.models.base import create_causal_mask
 
-from segback.engine.attention import (
-    MaskSpec,
+from segback.engine.masks import MaskSpec
+from segback.engine.chunked import (
     Rows,
     attention_backward,
     attention_forward,
     chunked_sdpa,
     default_chunk_size,
-    mlx_causal,
-    mlx_heads_per_call,
-    sdpa_for_mlx_lm,
-    use_attention,
 )
+from segback.engine.attention import mlx_causal, mlx_heads_per_call, sdpa_for_mlx_lm, use_attention
 from segback.models.random_init import build_model
 
 RTOL = 1e-5

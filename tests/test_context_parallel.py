@@ -28,7 +28,7 @@ from test_distributed import env, free_ports, launcher
 from test_engine import _cast, assert_as_exact_as_mlx_lm
 from test_train import chat_rows, parse, read_log, write_jsonl
 
-from segback.engine.attention import default_chunk_size
+from segback.engine.chunked import default_chunk_size
 from segback.engine.plan_file import Plan, PlanError
 from segback.engine.ring_attention import RingError, shard_positions
 from segback.planner.context import scored_pairs

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from segback.engine import flash
-from segback.engine.attention import Blocks, fused_kernel
+from segback.engine.masks import Blocks
+from segback.engine.attention import fused_kernel
 
 EPS = float(np.finfo(np.float32).eps)
 

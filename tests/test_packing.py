@@ -94,7 +94,8 @@ def test_packed_equals_mlx_lm_on_unpacked_rows(name, attention):
 def test_chunked_attention_is_block_sparse_and_exact(window):
     """Packed chunked attention reads keys from the earliest example of a chunk on, and equals
     mlx's attention under the dense block-diagonal mask, values and gradients."""
-    from segback.engine.attention import Blocks, _chunks, chunked_sdpa
+    from segback.engine.masks import Blocks
+    from segback.engine.chunked import _chunks, chunked_sdpa
 
     segs = np.array([[1] * 7 + [2] * 12 + [3] * 9 + [0] * 4, [1] * 20 + [2] * 10 + [0] * 2])
     blocks = Blocks(segs)

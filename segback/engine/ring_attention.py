@@ -41,7 +41,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from segback.engine.attention import default_chunk_size, sdpa_for_mlx_lm, swap_attention
+from segback.engine.chunked import default_chunk_size
+from segback.engine.attention import sdpa_for_mlx_lm, swap_attention
 
 ORDERS = ("zigzag", "contiguous")
 _PAD = 1 << 40  # the position of a padding key: after every query, so never visible

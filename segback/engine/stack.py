@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gemma4_text import logit_softcap
 
-from segback.engine.attention import Blocks, MaskSpec
+from segback.engine.masks import Blocks, MaskSpec
 from segback.engine.packing import attention_mask
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "minicpm")

@@ -36,7 +36,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from segback.engine.attention import MaskSpec, Rows, core_backward, core_forward
+from segback.engine.masks import MaskSpec
+from segback.engine.chunked import Rows
+from segback.engine.attention import core_backward, core_forward
 from segback.engine.ring_attention import RingMask
 from segback.engine.stack import Stack, binder, has_dropout
 

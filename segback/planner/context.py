@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from segback.engine.attention import default_chunk_size
+from segback.engine.chunked import default_chunk_size
 from segback.engine.ring_attention import Shards, shard_positions
 from segback.planner.cost import ATTENTION_TIME_CUDA, CHUNKED_SCORE_COPIES, CostModel
 from segback.planner.geometry import GB, Geometry, LayerGeom

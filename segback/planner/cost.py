@@ -26,8 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
+from segback.engine.attention import fast_kernel_for, fused_routed
+from segback.engine.chunked import default_chunk_size
 from segback.engine.offload import MAX_PENDING
 from segback.engine.options import table_on_host
 from segback.planner.geometry import Geometry, LayerGeom
@@ -39,7 +42,7 @@ from segback.planner.geometry import Geometry, LayerGeom
 # (measured: 3.6 GB at 8K, 8 heads, bf16) is 3.4 in all.
 FUSED_RETAINED_COPIES = 0.8
 FUSED_TRANSIENT_COPIES = 2.4
-# Chunked attention (segback.engine.attention): the backward keeps ~4 float32 [B, H, chunk,
+# Chunked attention (segback.engine.chunked): the backward keeps ~4 float32 [B, H, chunk,
 # visible] arrays per chunk, plus float32 dK/dV and dQ over the whole sequence.
 CHUNKED_SCORE_COPIES = 4.0
 # Loss head: a chunk of logits is held ~4.5 times (logits, log-softmax, grads), ~6.5 with a
@@ -59,7 +62,7 @@ TILE_OVERHEAD_TOKENS = 768
 BWD_LINEAR, BWD_ATTN_FUSED, BWD_ATTN_CHUNKED = 1.0, 2.0, 3.0
 # The attention kernels a plan's layers run (`CostModel.kernel`): "composed" (MLX's unfused
 # path, every key scored into [L, L] arrays), "mlx" (MLX's fused kernel: cuDNN on CUDA),
-# "flash" (segback.engine.flash) and "chunked" (segback.engine.attention). Backward work in
+# "flash" (segback.engine.flash) and "chunked" (segback.engine.chunked). Backward work in
 # units of the forward's: cuDNN recomputes S and P once (2.5x); the flash kernels compute
 # S and dP twice, in the dK/dV pass and the dQ pass (3.5x).
 BWD_ATTN = {"composed": BWD_ATTN_FUSED, "mlx": 2.5, "flash": 3.5, "chunked": BWD_ATTN_CHUNKED}
@@ -97,22 +100,12 @@ CUDA_ACTIVATION = 1.6
 
 def device_coefficients() -> Coefficients:
     """The uncalibrated coefficients for a plan on the default device."""
-    import mlx.core as mx
-
     cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     return Coefficients(activation=CUDA_ACTIVATION) if cuda else Coefficients()
 
 
-def _fast_kernels() -> bool:
-    from segback.engine.attention import fused_routed
-
-    return fused_routed()
-
-
 def _chunk_size(B: int, H: int, L: int, window: int | None) -> int:
-    """The query chunk segback.engine.attention picks for this shape."""
-    from segback.engine.attention import default_chunk_size
-
+    """The query chunk segback.engine.chunked picks for this shape."""
     return default_chunk_size(B, H, L, L, window)
 
 
@@ -144,7 +137,7 @@ class CostModel:
         self.g, self.L, self.B, self.attention = geom, seq_len, batch_size, attention
         # Whether attention="fused" runs the O(L) kernels (MLX's fused, segback's flash): the
         # engine's choice on CUDA (None: as on the default device).
-        self.fast_kernels = _fast_kernels() if fast_kernels is None else bool(fast_kernels)
+        self.fast_kernels = fused_routed() if fast_kernels is None else bool(fast_kernels)
         self.tile, self.offload = (min(int(tile), seq_len) if tile else None), bool(offload)
         self.light = min(int(light_tile or tile), seq_len) if tile else None
         self.boundaries_on_device = int(boundaries_on_device)
@@ -236,8 +229,6 @@ class CostModel:
 
     def fast_kernel(self, g: LayerGeom) -> str | None:
         """The O(L) fused kernel attention="fused" runs for layer `g`, if any."""
-        from segback.engine.attention import fast_kernel_for
-
         if not self.fast_kernels:
             return None
         return fast_kernel_for(g.head_dim, self.g.dtype_bytes == 2, self.window(g) is not None,
