@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from segback.engine import flash
+from segback.engine.flash_reference import reference_backward, reference_forward
 from segback.engine.masks import Blocks
 from segback.engine.attention import fused_kernel
 
@@ -87,14 +88,14 @@ def _inputs(seed, B, H, Hkv, L, D, window, packed):
 def test_blocked_algorithm_equals_dense_attention(B, H, Hkv, L, D, window, packed):
     q, k, v, do, scale, seg, blocks, vis = _inputs(0, B, H, Hkv, L, D, window, packed)
 
-    o, lse = flash.reference_forward(q, k, v, scale, window, blocks, bk=32)
+    o, lse = reference_forward(q, k, v, scale, window, blocks, bk=32)
     want_o, want_lse = _dense(q, k, v, scale, vis)
     # float32 sums of up to L terms, each rounded: a bound of a few L * eps relative to |V|.
     tol = 4 * L * EPS
     assert mx.abs(o - want_o).max().item() <= tol * mx.abs(v).max().item()
     assert mx.abs(lse - want_lse).max().item() <= tol * mx.abs(want_lse).max().item()
 
-    got = flash.reference_backward(q, k, v, o, lse, do, scale, window, blocks, bkv=32, bq=64)
+    got = reference_backward(q, k, v, o, lse, do, scale, window, blocks, bkv=32, bq=64)
     _, want = mx.vjp(lambda q, k, v: _dense(q, k, v, scale, vis)[0], [q, k, v], [do])
     for g, w in zip(got, want):
         assert g.shape == w.shape
@@ -179,15 +180,15 @@ def test_v2_tiling_equals_dense_attention(B, H, Hkv, L, D, window, packed, D_til
     cfg = V2_TILES[D_tiles]
     q, k, v, do, scale, seg, blocks, vis = _inputs(1, B, H, Hkv, L, D, window, packed)
 
-    o, lse = flash.reference_forward(q, k, v, scale, window, blocks, bk=cfg["fwd_bk"],
+    o, lse = reference_forward(q, k, v, scale, window, blocks, bk=cfg["fwd_bk"],
                                      bq=cfg["fwd_bq"])
     want_o, want_lse = _dense(q, k, v, scale, vis)
     tol = 4 * L * EPS
     assert mx.abs(o - want_o).max().item() <= tol * mx.abs(v).max().item()
     assert mx.abs(lse - want_lse).max().item() <= tol * mx.abs(want_lse).max().item()
 
-    got = flash.reference_backward(q, k, v, o, lse, do, scale, window, blocks, bkv=cfg["bkv"],
-                                   bq=cfg["dkdv_bq"], dq_tiles=(cfg["dq_bq"], cfg["dq_bk"]))
+    got = reference_backward(q, k, v, o, lse, do, scale, window, blocks, bkv=cfg["bkv"],
+                             bq=cfg["dkdv_bq"], dq_tiles=(cfg["dq_bq"], cfg["dq_bk"]))
     _, want = mx.vjp(lambda q, k, v: _dense(q, k, v, scale, vis)[0], [q, k, v], [do])
     for g, w in zip(got, want):
         assert mx.abs(g - w).max().item() <= 4 * tol * mx.abs(w).max().item()
@@ -389,7 +390,7 @@ def _sim_dkdv_v2(sim, D, blocks):
 
 
 def _simulate_all(B, Lq, Lk, window, packed, seed=0):
-    W = flash._window(window, Lk)
+    W = flash.effective_window(window, Lk)
     seg = _segments(B, Lk, seed) if packed else None
     blocks = Blocks(seg) if packed else None
     for D in flash.HEAD_DIMS:
@@ -464,13 +465,13 @@ def test_blocked_algorithm_with_fewer_queries_than_keys(B, Lq, Lk, window, packe
         fwd = dict(bk=cfg["fwd_bk"], bq=cfg["fwd_bq"])
         bwd = dict(bkv=cfg["bkv"], bq=cfg["dkdv_bq"], dq_tiles=(cfg["dq_bq"], cfg["dq_bk"]))
 
-    o, lse = flash.reference_forward(q, k, v, scale, window, blocks, **fwd)
+    o, lse = reference_forward(q, k, v, scale, window, blocks, **fwd)
     want_o, want_lse = _dense(q, k, v, scale, vis)
     tol = 4 * Lk * EPS
     assert mx.abs(o - want_o).max().item() <= tol * mx.abs(v).max().item()
     assert mx.abs(lse - want_lse).max().item() <= tol * mx.abs(want_lse).max().item()
 
-    got = flash.reference_backward(q, k, v, o, lse, do, scale, window, blocks, **bwd)
+    got = reference_backward(q, k, v, o, lse, do, scale, window, blocks, **bwd)
     _, want = mx.vjp(lambda q, k, v: _dense(q, k, v, scale, vis)[0], [q, k, v], [do])
     for g, w in zip(got, want):
         assert g.shape == w.shape
