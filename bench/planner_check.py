@@ -25,11 +25,11 @@ RUNS = Path(__file__).resolve().parent / "data" / "runs.jsonl"
 ANALYTIC_TILED = ("h100-run17", "h100-run18")
 
 
-def measured_rows(runs: list[str], data: Path = RUNS) -> list[dict]:
-    """The segmented e4b rows of these runs that measured a peak."""
+def measured_rows(runs: list[str], data: Path = RUNS, model: str = "e4b") -> list[dict]:
+    """The segmented rows of `model` in these runs that measured a peak."""
     return [r for r in map(json.loads, data.read_text().splitlines())
             if r.get("run") in runs and r.get("mode") == "segmented"
-            and r.get("model") == "e4b" and "peak_gb" in r]
+            and r.get("model") == model and "peak_gb" in r]
 
 
 def plans(rows: list[dict]) -> list[dict]:
@@ -87,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", nargs="+", default=["h100-run18"])
     ap.add_argument("--activation", nargs="+", type=float, default=[1.6])
     ap.add_argument("--data", type=Path, default=RUNS)
+    ap.add_argument("--model", default="e4b", help="geometry name of the rows")
     args = ap.parse_args(argv)
-    rows = measured_rows(args.runs, args.data)
+    rows = measured_rows(args.runs, args.data, args.model)
     if not rows:
-        raise SystemExit(f"planner_check: no segmented e4b rows of {args.runs} in {args.data}")
-    model, model_id = resolve_model("e4b", "bfloat16", 4)
+        raise SystemExit(f"planner_check: no segmented {args.model} rows of {args.runs} in "
+                         f"{args.data}")
+    model, model_id = resolve_model(args.model, "bfloat16", 4)
     geom = read_geometry(model, 8, None, "bfloat16", model_id)
     found = plans(rows)
     for a in args.activation:
