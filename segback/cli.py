@@ -12,7 +12,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("segback.models.prepare", "write an MLX checkpoint for a configured model"),
-    "build-data": ("segback.chunking.dataset", "build the chunking dataset from ShareGPT"),
+    "build-data": ("segback.chunking.build", "build the chunking dataset from ShareGPT"),
     "filter-data": ("segback.chunking.filter", "token-length filter with the model's tokenizer"),
     "window-data": ("segback.chunking.windows", "cut long cases into short-window examples"),
     "generate": ("segback.chunking.generate", "generate chunkings for a test set"),

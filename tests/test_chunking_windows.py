@@ -8,7 +8,7 @@ from test_chunking_filter import tokenizer, tokenizer_dir  # noqa: F401 (fixture
 
 from segback.chunking import filter as chunk_filter
 from segback.chunking import windows
-from segback.chunking.dataset import build_dataset
+from segback.chunking.build import build_dataset
 from segback.chunking.prompt import chat_rows
 from segback.data.tokens import encode_example
 

@@ -54,7 +54,7 @@ EDGES = {
     ("train_lora", "summarize"), ("plan_segments", "summarize"), ("summarize", "all"),
 }
 STAGE_MODULES = (
-    "segback.models.prepare", "segback.chunking.dataset", "segback.chunking.filter",
+    "segback.models.prepare", "segback.chunking.build", "segback.chunking.filter",
     "segback.chunking.generate", "segback.chunking.scorer", "segback.planner",
     "segback.trainer.cli", "segback.models.export",
 )

@@ -18,7 +18,7 @@ from typing import Any
 from mlx_lm.utils import load_tokenizer
 from tqdm import tqdm
 
-from segback.chunking.dataset import length_percentiles
+from segback.chunking.build import length_percentiles
 from segback.chunking.prompt import chat_rows, transcript
 from segback.data.tokens import encode_example
 from segback.io import atomic_write_json, atomic_write_jsonl, read_jsonl

@@ -26,7 +26,7 @@ from typing import Any
 from mlx_lm.utils import load_tokenizer
 from tqdm import tqdm
 
-from segback.chunking.dataset import length_percentiles
+from segback.chunking.build import length_percentiles
 from segback.chunking.filter import read_cases, to_training_row
 from segback.chunking.prompt import chat_rows, render_transcript, transcript
 from segback.data.tokens import encode_example

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from segback.chunking.dataset import build_dataset, make_label, read_sharegpt
+from segback.chunking.build import build_dataset, make_label, read_sharegpt
 from segback.chunking.prompt import build_prompt, chat_rows, gold_completion
 from segback.chunking.scorer import score_case
 
