@@ -10,6 +10,11 @@ import argparse
 import importlib
 import sys
 
+from segback.backend.blas import ensure_openblas
+from segback.backend.kernel_cache import persist_kernel_cache
+from segback.backend.ops_per_buffer import limit_ops_per_buffer
+from segback.io import WriteError
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("segback.models.prepare", "write an MLX checkpoint for a configured model"),
     "build-data": ("segback.chunking.build", "build the chunking dataset from ShareGPT"),
@@ -47,18 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in COMPUTE_COMMANDS:
-        from segback.backend.blas import ensure_openblas
-        from segback.backend.kernel_cache import persist_kernel_cache
-        from segback.backend.ops_per_buffer import limit_ops_per_buffer
-
         ensure_openblas()
         persist_kernel_cache()
         if argv[0] != "bench":  # bench sets it per mode: mlx-lm's modes run as mlx-lm ships
             limit_ops_per_buffer()
     sys.argv = [sys.argv[0], *argv]
     args = build_parser().parse_args(argv)
-    from segback.io import WriteError
-
     try:
         result = importlib.import_module(args._module).main(args)
     except WriteError as e:  # names the file and what to do; the previous one is kept

@@ -138,7 +138,7 @@ def test_workflow_default_configfile_syntax_error_names_file_and_line(tmp_path):
 
 
 def test_trainer_config_file_syntax_error_names_file_and_line(tmp_path):
-    from segback.trainer.config import TrainConfigError, read_config_file
+    from segback.trainer.config_file import TrainConfigError, read_config_file
 
     bad = tmp_path / "lora_config.yaml"
     bad.write_text("model: m\nlora_parameters:\n  rank: [8\n  scale: 20.0\n")

@@ -344,6 +344,25 @@ def test_plan_engine_options_round_trip_and_old_plan_files(tmp_path):
     assert read.segments == plan.segments and read.engine.tile == 16 and read.engine.offload
 
 
+def test_search_space_reads_what_the_planner_chooses_once():
+    """`SearchSpace.from_dict` types the options as a command line or config gives them, 'auto'
+    where the planner chooses; what the engine could not run is refused, 'auto' or not."""
+    from segback.engine.options import AUTO, OptionsError
+    from segback.planner.space import SearchSpace
+
+    space = SearchSpace.from_dict({"tile": "auto", "offload": "true", "offload_keep": "2"})
+    assert space == SearchSpace(tile=AUTO, offload=True, boundaries_on_device=2)
+    assert SearchSpace() == SearchSpace.from_dict({}) and SearchSpace().boundaries_on_device == AUTO
+    for values, message in (({"attention": "auto"}, "attention has no 'auto'"),
+                            ({"tile": "0"}, "tile must be a positive number"),
+                            ({"offload": "true"}, "offload needs a tile"),
+                            ({"light_tile": "64"}, "light_tile needs a tile"),
+                            ({"tile": "64", "boundaries_on_device": "1"}, "needs offload"),
+                            ({"compile": "true"}, "the planner does not search compile")):
+        with pytest.raises(OptionsError, match=message):
+            SearchSpace.from_dict(values)
+
+
 def test_measured_choice_is_the_fastest_measured_within_the_target():
     """--measure times candidates on the real model; the plan is the fastest measured that fits,
     and it says so (records in inputs.measured, in the cost model's order)."""

@@ -15,6 +15,7 @@ from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.utils import load_tokenizer
 from test_adapters import WORDS, make_model_dir, make_tokenizer
 
+from segback.engine import Plan
 from segback.trainer import TrainConfig, TrainingDiverged, cli, loop
 from segback.data.dataset import batch_at, batch_groups, collate, DataError, epoch_permutation
 from segback.data.formats import encode_rows
@@ -297,6 +298,18 @@ def test_validation_loss_equals_mlx_lm_default_loss(tok):
     loss, ntoks = default_loss(model, batch, lengths)
     assert count == ntoks.item()
     np.testing.assert_allclose(total / count, loss.item(), rtol=1e-5)
+
+
+def test_a_plan_is_checked_once_not_at_every_step(tmp_path, monkeypatch):
+    """`resolve_plan` checks the plan against the model and the longest batch; the steps run
+    its segments and engine options without checking it again."""
+    cfg = small_cfg(tmp_path)
+    model = build_model("tiny-llama")
+    plan = cli.resolve_plan(cfg, model)
+    checks = []
+    monkeypatch.setattr(Plan, "check", lambda self, *a, **kw: checks.append(a))
+    summary = tiny_run(cfg, chat_rows(8), loop.segmented_grad_fn(plan), model=model)
+    assert summary["steps"] == cfg.iters and checks == []
 
 
 def test_plan_engine_options_reach_the_engine(tmp_path):

@@ -79,3 +79,14 @@ def test_resume_refuses_what_changed(model_dir, data_dirs, tmp_path, monkeypatch
     assert state["blas_threads"] == 2 and state["identity"]["dtype"] == "float32"
     again = run(resume=False)  # --no-resume starts over
     assert again["resumed_from"] is None
+
+
+def test_engine_options_as_given_or_typed_name_the_same_settings():
+    """A checkpoint's settings compare (--restart-on-change) and key (finished runs) by typed
+    engine options: "16" and 16, "true" and true, 'auto' compile and none given are one run."""
+    from segback.trainer.checkpoints import Run, typed_engine
+
+    as_given = {"iters": 3, "engine": {"tile": "16", "offload": "true", "compile": "auto"}}
+    typed = {"iters": 3, "engine": {"tile": 16, "offload": True}}
+    assert typed_engine(as_given) == typed and typed_engine({"iters": 3}) == {"iters": 3}
+    assert Run._key({}, 1, as_given) == Run._key({}, 1, typed)

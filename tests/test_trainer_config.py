@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from segback.trainer import cli
-from segback.trainer.config import OPTIMIZERS, TrainConfigError, TrainConfig, from_args
+from segback.trainer.arguments import from_args
+from segback.trainer.config import OPTIMIZERS, TrainConfigError, TrainConfig
 
 MLX_LM_CONFIG = Path(__file__).parent / "data" / "mlx_lm_lora_config.yaml"
 KEYS = ["self_attn.q_proj", "self_attn.v_proj"]
@@ -86,7 +87,7 @@ def test_flags_override_the_config_file():
     assert (cfg.max_seq_length, cfg.grad_accumulation_steps, cfg.steps_per_eval) == (128, 3, 7)
     assert cfg.lora_parameters == {"keys": KEYS, "rank": 4, "scale": 20.0, "dropout": 0.0}
     assert cfg.optimizer_config == {"sgd": {"weight_decay": 0.1}}
-    assert cfg.engine == {"tile": "64", "compile": "off"}
+    assert cfg.engine == {"tile": 64, "compile": False}  # typed once, here
     assert cli.build_optimizer(cfg).weight_decay == 0.1
 
 
@@ -101,8 +102,10 @@ def test_flags_override_the_config_file():
     (["--max-seq-length", "lots"], r"max_seq_length .* must be a number, not 'lots'"),
     (["--tile", "big"], r"tile must be a whole number, not 'big'"),
     (["--attention", "chunked", "--boundaries-on-device", "2"], r"needs offload=true"),
-    (["--measure-plan", "-2"], r"measure_plan \(--measure-plan\) -2: must be auto or >= 0"),
-    (["--measure-plan", "some"], r"measure_plan .* must be a number, not 'some'"),
+    (["--measure-plan", "-2"], r"measure_plan \(--measure-plan\) must be auto or a whole "
+                               r"number >= 0, not '-2'"),
+    (["--measure-plan", "some"], r"measure_plan .* must be auto or a whole number >= 0, not "
+                                 r"'some'"),
     (["--weight-decay", "0.1"], None),  # Adam has none: refused when the optimizer is built
 ])
 def test_bad_values_are_refused_with_the_option_named(argv, message):
@@ -196,7 +199,7 @@ def test_workflow_train_rule_is_checked_against_the_declaration(tmp_path):
     import sys
     from pathlib import Path
 
-    from segback.trainer.config import add_arguments, from_args
+    from segback.trainer.arguments import add_arguments, from_args
 
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile",
@@ -222,3 +225,28 @@ def test_measure_plan_takes_auto_or_a_count():
     assert parse(["--model", "m", "--data", "d"]).measure_plan == "auto"
     assert parse(["--model", "m", "--data", "d", "--measure-plan", "AUTO"]).measure_plan == "auto"
     assert parse(["--model", "m", "--data", "d", "--measure-plan", "4"]).measure_plan == 4
+
+
+def test_engine_options_are_typed_once_by_their_present_names(tmp_path):
+    """The command line's strings and a config's values become typed engine options here, by
+    their present names (old ones read); AUTO stays where the planner chooses, and 'auto' for a
+    device default is that default."""
+    from segback.engine.options import AUTO
+    from segback.trainer import engine_request
+
+    cfg = parse(["--model", "m", "--data", "d", "--tile", "auto", "--offload", "Auto",
+                 "--compile", "auto", "--tiles-in-flight", "3", "--light-tile", "512"])
+    assert cfg.engine == {"tile": AUTO, "offload": AUTO, "tiles_in_flight": 3, "light_tile": 512}
+    space = engine_request.space(cfg.engine)
+    assert (space.tile, space.offload, space.light_tile) == (AUTO, AUTO, 512)
+    assert engine_request.runtime(cfg.engine).tiles_in_flight == 3
+    path = tmp_path / "c.yaml"
+    path.write_text("offload_keep: 2\nengine: {tile: '64', offload: 'on', head_max_elements: 8}\n")
+    cfg = parse(["-c", str(path), "--model", "m", "--data", "d"])
+    assert cfg.engine == {"tile": 64, "offload": True, "boundaries_on_device": 2, "head_chunk": 8}
+    assert TrainConfig.from_dict(cfg.to_dict()).engine == cfg.engine  # adapter_config.json
+    for given, message in (({"attention": "auto"}, "attention has no 'auto'"),
+                           ({"tiles_in_flight": "auto"}, "tiles_in_flight has no 'auto'"),
+                           ({"tile": "auto", "light_tile": "x"}, "light_tile must be a whole")):
+        with pytest.raises(TrainConfigError, match=message):
+            TrainConfig.from_dict({"model": "m", "data": "d", **given})

@@ -19,10 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from segback.engine.options import DEFAULT_HEAD_CHUNK as DEFAULT_MAX_ELEMENTS
 from segback.engine.packing import Packed
 from segback.engine.stack import Head
-
-DEFAULT_MAX_ELEMENTS = 1 << 26  # logits per chunk: 256 MB in float32
 
 
 def loss_mask(lengths: np.ndarray | Packed, T: int) -> np.ndarray:

@@ -9,6 +9,7 @@ runs with the defaults of the machine that loads it.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -16,6 +17,9 @@ import mlx.core as mx
 
 ATTENTION = ("fused", "chunked")
 DEFAULT_HEAD_CHUNK = 1 << 26  # logits per head chunk: 256 MB in float32
+AUTO = "auto"  # a value a planner chooses (`parse_value(..., auto=True)`)
+# Names plan files and configs used before the present ones; read as those.
+OLD_NAMES = {"offload_keep": "boundaries_on_device", "head_max_elements": "head_chunk"}
 
 
 class OptionsError(ValueError):
@@ -100,18 +104,9 @@ class EngineOptions:
     def from_dict(cls, values: dict[str, Any] | None, where: str = "engine options"
                   ) -> EngineOptions:
         """Options from a config or plan mapping; strings as a CLI or YAML gives them."""
-        values = dict(values or {})
-        if "offload_keep" in values:  # the name plan files used before boundaries_on_device
-            values.setdefault("boundaries_on_device", values.pop("offload_keep"))
-        if "head_max_elements" in values:
-            values.setdefault("head_chunk", values.pop("head_max_elements"))
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise OptionsError(f"{where}: unknown engine option(s) {', '.join(unknown)}; "
-                               f"known: {', '.join(known)}")
+        values = parse_options(values, where)
         try:
-            return cls(**{k: parse_value(known[k], v) for k, v in values.items()})
+            return cls(**values)
         except OptionsError as e:
             raise OptionsError(f"{where}: {e}") from None
 
@@ -140,14 +135,43 @@ def table_on_host(host_table: bool | None, offload: bool) -> bool:
     return offload or (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
-def parse_value(f: Any, v: Any) -> Any:
-    """One option's value from a string, YAML scalar or Python value."""
+def canonical_name(name: str) -> str:
+    """An option's present name for `name` (an old one from OLD_NAMES, or itself)."""
+    return OLD_NAMES.get(name, name)
+
+
+def parse_options(values: dict[str, Any] | None, where: str = "engine options",
+                  auto: Collection[str] = ()) -> dict[str, Any]:
+    """The options given, by their present names, each in its type (strings as a CLI or YAML
+    gives them); AUTO stays for the names in `auto`. Unknown names are refused."""
+    out: dict[str, Any] = {}
+    for k, v in (values or {}).items():  # a present name wins over its old one
+        if k in OLD_NAMES:
+            out.setdefault(OLD_NAMES[k], v)
+        else:
+            out[k] = v
+    known = {f.name: f for f in fields(EngineOptions)}
+    unknown = sorted(set(out) - set(known))
+    if unknown:
+        raise OptionsError(f"{where}: unknown engine option(s) {', '.join(unknown)}; "
+                           f"known: {', '.join(known)}")
+    try:
+        return {k: parse_value(known[k], v, k in auto) for k, v in out.items()}
+    except OptionsError as e:
+        raise OptionsError(f"{where}: {e}") from None
+
+
+def parse_value(f: Any, v: Any, auto: bool = False) -> Any:
+    """One option's value from a string, YAML scalar or Python value; 'auto' is AUTO where
+    `auto` allows it."""
     kind = f.metadata.get("kind")
     if isinstance(v, str):
         low = v.strip().lower()
         if low in ("", "none", "null") and f.default is None:
             return None
-        if low == "auto":
+        if low == AUTO:
+            if auto:
+                return AUTO
             raise OptionsError(f"{f.name}=auto asks the planner to choose: plan with it "
                                "(segback plan, or train --plan auto), then run the plan")
         if kind == "bool" and low in ("true", "on", "yes", "1", "false", "off", "no", "0"):

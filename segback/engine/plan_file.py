@@ -13,9 +13,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from segback.engine.options import EngineOptions
+from segback.engine.options import EngineOptions, canonical_name
 
 Segments = list[tuple[int, int]]
+# Engine options plans carried at their top level before `engine` held them.
+TOP_LEVEL_ENGINE = ("attention", "tile", "offload", "light_tile", "boundaries_on_device")
 
 
 class PlanError(ValueError):
@@ -96,14 +98,12 @@ class Plan:
         if not isinstance(d, dict):
             raise PlanError(f"{where}: a plan is a JSON object, not {type(d).__name__}")
         d = dict(d)
-        legacy = {k: d.pop(k) for k in ("attention", "tile", "offload", "light_tile",
-                                         "offload_keep") if k in d}
+        legacy = {k: d.pop(k) for k in list(d) if canonical_name(k) in TOP_LEVEL_ENGINE}
         if "engine" not in d and "segments" in d:
             d["engine"] = EngineOptions.from_dict(
                 {k: v for k, v in legacy.items() if v is not None}, where).to_dict()
-        if "inputs" in d and "offload_keep" in d["inputs"]:
-            d["inputs"] = dict(d["inputs"])
-            d["inputs"]["boundaries_on_device"] = d["inputs"].pop("offload_keep")
+        if isinstance(d.get("inputs"), dict):
+            d["inputs"] = {canonical_name(k): v for k, v in d["inputs"].items()}
         try:
             jsonschema.validate(d, schema())
         except jsonschema.ValidationError as e:
@@ -165,3 +165,12 @@ class Plan:
             raise PlanError(f"this plan was made for batches of {planned_batch}, not "
                             f"{batch_size}: plan for --batch-size {batch_size}")
         return segments_of(self.segments, num_layers)
+
+
+def step_inputs(plan: Any, options: EngineOptions | None = None) -> tuple[Any, Any]:
+    """(segments, engine options) for `value_and_grad` at every step: a `Plan`'s own (`options`
+    in place of its engine options when given), else `plan` and `options` as they are. A Plan
+    is checked once, where it is loaded (`Plan.check`), not at every step."""
+    if isinstance(plan, Plan):
+        return plan.segments, options or plan.engine
+    return plan, options

@@ -4,6 +4,7 @@ the cost model's multipliers (non-negative least squares)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import sys
 from collections.abc import Iterator, Sequence
@@ -12,6 +13,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.tuner.lora import LoRALinear
+
+from segback.engine.attention import fused_routed, use_attention
+from segback.engine.memory import reset_peak
+from segback.engine.stack import get_stack
 from segback.planner.cost import Coefficients, CostModel
 from segback.planner.geometry import DTYPES, FULL, GB, Geometry, linears, read_geometry, text_parts
 
@@ -21,8 +27,6 @@ CALIBRATION_LENGTHS = (512, 1024)
 
 def attach_lora(layers: Sequence[nn.Module], rank: int) -> list[tuple[nn.Module, list]]:
     """Wrap the linears of `layers` in LoRA (if they have none); returns what to restore."""
-    from mlx_lm.tuner.lora import LoRALinear
-
     undo = []
     for layer in layers:
         if any(v.size for _, v in tree_flatten(layer.trainable_parameters())):
@@ -41,11 +45,6 @@ def measure_segment(model: nn.Module, start: int, stop: int, seq_len: int,
     Runs segback's stack adapter on random hidden states (no embedding or head), with LoRA
     attached to the segment's layers if the model has none; only those layers are touched.
     """
-    import gc
-
-    from segback.engine.memory import reset_peak
-    from segback.engine.stack import get_stack
-
     stack = get_stack(model)
     if any(stack.kv_source[i] < start for i in range(start, stop)):
         raise ValueError("calibration segment must not read K/V from an earlier segment")
@@ -103,8 +102,6 @@ def _attention_mode(model: nn.Module, attention: str) -> Iterator[bool]:
     """Measure with the attention the plan is for: route the model's module through
     segback.engine.attention as the engine does (chunked, or fused where segback picks the
     kernel: CUDA); yields whether it is routed (then masks are descriptors)."""
-    from segback.engine.attention import fused_routed, use_attention
-
     if attention != "chunked" and not fused_routed():
         yield False
         return

@@ -7,13 +7,14 @@ import math
 import sys
 
 from segback.engine import options as engine_options
-from segback.engine.options import EngineOptions, OptionsError
+from segback.engine.options import AUTO, OptionsError
 from segback.engine.plan_file import PlanError
+from segback.io import atomic_write_json
 from segback.planner.geometry import DTYPES
 from segback.planner.measure import parse_measure
 from segback.planner.plan import describe, plan_segments
+from segback.planner.space import SEARCHED, SearchSpace
 
-SEARCHED = ("attention", "tile", "offload", "light_tile", "boundaries_on_device")
 # A predicted peak past this is no plan for any machine: said, not silently written.
 ABSURD_GB = 1 << 16
 
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure a 1- and a 2-layer segment at two lengths and fit the "
                         "cost model (a geometry is built with random weights)")
-    parser.add_argument("--measure", type=parse_measure, default="auto", metavar="N",
+    parser.add_argument("--measure", type=parse_measure, default=AUTO, metavar="N",
                         help="time N candidate plans (predicted to meet --target-gb, fastest "
                         "first; more while none measured within it), a warm-up and a timed step "
                         "each, on the real model and keep the fastest measured within the target "
@@ -81,14 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per tile for the sequence-tiled engine (implies chunked "
                         "attention), or 'auto' to weigh untiled and every tile size")
     search.add_argument("--offload", nargs="?", const="true", default="false", type=str.lower,
-                        choices=["true", "false", "auto"],
+                        choices=["true", "false", AUTO],
                         help="park boundaries and per-layer inputs in host memory (with "
                         "--tile); 'auto' weighs both")
     search.add_argument("--light-tile", default=None,
                         help="tokens per tile of the tiled engine's light passes (the pre "
                         "pass, its VJP and the forward post pass); default: --tile")
     search.add_argument("--boundaries-on-device", "--offload-keep", dest="boundaries_on_device",
-                        default="auto",
+                        default=AUTO,
                         help="with --offload: the last N segments keep their boundary on the "
                         "device (no host copies); 'auto' (default): as many as --target-gb "
                         "allows, none without a target")
@@ -97,22 +98,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from segback.io import atomic_write_json
-
     problem = number_problem(args)
     if problem:
         print(f"segback plan: error: {problem}", file=sys.stderr)
         return 2
     try:
         runtime = engine_options.from_args(args, skip=SEARCHED)
+        space = SearchSpace.from_dict({k: getattr(args, k) for k in SEARCHED})
         plan = plan_segments(args.model, args.seq, args.batch, args.target_gb, args.time_budget,
                              args.calibrate, args.lora_rank, args.lora_layers, args.dtype,
-                             args.attention, args.quant_bits, tile=args.tile,
-                             offload=args.offload,
-                             light_tile=None if args.light_tile is None else
-                             EngineOptions.from_dict({"tile": 1, "light_tile":
-                                                      args.light_tile}).light_tile,
-                             boundaries_on_device=args.boundaries_on_device, options=runtime,
+                             quant_bits=args.quant_bits, space=space, options=runtime,
                              measure=args.measure, context_parallel=args.context_parallel,
                              context_order=args.context_order)
     except (ValueError, FileNotFoundError, OptionsError, PlanError) as e:  # no traceback

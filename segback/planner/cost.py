@@ -32,7 +32,7 @@ import numpy as np
 from segback.engine.attention import fast_kernel_for, fused_routed
 from segback.engine.chunked import default_chunk_size
 from segback.engine.offload import MAX_PENDING
-from segback.engine.options import table_on_host
+from segback.engine.options import DEFAULT_HEAD_CHUNK as HEAD_MAX_ELEMENTS, table_on_host
 from segback.planner.geometry import Geometry, LayerGeom
 
 # Fused attention (mx.fast.scaled_dot_product_attention under grad tracing runs MLX's composed
@@ -48,7 +48,6 @@ CHUNKED_SCORE_COPIES = 4.0
 # Loss head: a chunk of logits is held ~4.5 times (logits, log-softmax, grads), ~6.5 with a
 # logit softcap (tanh and its derivative), measured on CPU in float32 and bfloat16.
 HEAD_COPIES, SOFTCAP_COPIES = 4.5, 2.0
-HEAD_MAX_ELEMENTS = 1 << 26  # segback.engine.head.DEFAULT_MAX_ELEMENTS
 # Per-segment fixed cost (graph build, evals, boundary copies) as a fraction of a step; a rough
 # figure: at long L the recompute forward dominates and this barely moves the ratio.
 SEGMENT_OVERHEAD = 0.003

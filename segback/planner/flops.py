@@ -51,6 +51,8 @@ import math
 import time
 from typing import Any
 
+import mlx.core as mx
+
 from segback.planner.cost import BWD_ATTN_CHUNKED, BWD_ATTN_FUSED, BWD_LINEAR
 from segback.planner.geometry import Geometry, LayerGeom
 
@@ -143,8 +145,6 @@ def step_flops(geom: Geometry, seq_len: int, batch: int = 1, mode: str = "segmen
 
 def default_matmul_dtype():
     """bfloat16 on a GPU, float32 on the CPU (the dtypes `segback bench` trains in)."""
-    import mlx.core as mx
-
     return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
 
 
@@ -153,16 +153,12 @@ def matmul_peak(dtype: Any = None) -> float:
     `default_matmul_dtype`). The size doubles from 256 until one product takes >= 25 ms (at
     most 16384 on a GPU, 8192 on the CPU), then the product is repeated for ~0.3 s; cached per
     (dtype, device) for the process."""
-    import mlx.core as mx
-
     dt = dtype if dtype is not None else default_matmul_dtype()
     return _matmul_peak(str(dt).split(".")[-1], str(mx.default_device()))
 
 
 @functools.cache
 def _matmul_peak(dtype_name: str, device: str) -> float:
-    import mlx.core as mx
-
     dt = getattr(mx, dtype_name)
     max_n = 16384 if mx.default_device() == mx.gpu else 8192
     key_a, key_b = mx.random.split(mx.random.key(0))

@@ -11,9 +11,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
 
 from segback.engine.host_table import table_bytes
 from segback.engine.stack import WRAPPER_TYPES
+from segback.models.family import check_checkpoint, check_family
+from segback.models.random_init import GEOMETRIES, build_model, geometry_config
 
 GB = 1024**3  # as segback.engine.memory
 
@@ -240,8 +243,6 @@ def lazy_model(config: dict, dtype: mx.Dtype = mx.bfloat16, quant_bits: int | No
                group_size: int = 64) -> nn.Module:
     """An mlx-lm model from a config dict whose weights are never materialized (frozen: the
     planner counts rank-r LoRA on every linear, not the base weights, as trainable)."""
-    from segback.models.random_init import build_model
-
     model = build_model(config, dtype=dtype, quantize_bits=quant_bits, group_size=group_size,
                         materialize=False)
     model.freeze()
@@ -254,22 +255,16 @@ def resolve_model(
     """A model (lazy when read from a config, geometry name or checkpoint dir) and its id."""
     if isinstance(model_or_config, nn.Module):
         return model_or_config, type(model_or_config).__module__.rsplit(".", 1)[-1]
-    from segback.models.family import check_checkpoint, check_family
-
     dt = DTYPES[dtype or "bfloat16"]
     if isinstance(model_or_config, dict):
         check_family(model_or_config, "the config")
         return lazy_model(model_or_config, dt, quant_bits), model_or_config["model_type"]
     path = Path(model_or_config)
     if path.is_dir():
-        from mlx_lm.utils import load_model
-
         check_checkpoint(path)
         model, _ = load_model(path, lazy=True, strict=False)
         model.freeze()  # a base checkpoint: LoRA is what will train
         return model, str(model_or_config)
-    from segback.models.random_init import GEOMETRIES, geometry_config
-
     if str(model_or_config) not in GEOMETRIES:
         raise ValueError(f"model {str(model_or_config)!r} is neither an MLX checkpoint directory "
                          f"nor a geometry name ({', '.join(sorted(GEOMETRIES))})")

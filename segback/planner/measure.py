@@ -23,7 +23,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from segback.engine import value_and_grad
+from segback.engine.options import AUTO
 from segback.engine.plan_file import Plan
+from segback.engine.stack import get_stack
 from segback.planner.calibrate import attach_lora
 from segback.planner.geometry import GB
 from segback.planner.search import engine_label, within
@@ -46,15 +49,16 @@ class _Spent(Exception):
 def measure_count(measure: int | str, target_gb: float | None) -> int:
     """How many candidate plans to time: `measure` as given, or for "auto" AUTO_MEASURE on a
     GPU when there is a memory target to meet, else none."""
-    if measure != "auto":
+    if measure != AUTO:
         return int(measure)
     return AUTO_MEASURE if target_gb is not None and mx.default_device() == mx.gpu else 0
 
 
 def parse_measure(value: str) -> int | str:
-    """`--measure` / `--measure-plan` on a command line: "auto" or a count >= 0."""
-    if value.strip().lower() == "auto":
-        return "auto"
+    """`--measure` / `--measure-plan` as a command line or config gives it: AUTO or a count
+    >= 0."""
+    if value.strip().lower() == AUTO:
+        return AUTO
     if not value.strip().isdigit():
         raise ValueError(f"must be auto or a whole number >= 0, not {value!r}")
     return int(value)
@@ -63,9 +67,6 @@ def parse_measure(value: str) -> int | str:
 def measure_plan(model: nn.Module, plan: Plan, seq_len: int, batch_size: int = 1,
                  lora_rank: int = 8) -> dict[str, float]:
     """{"peak_gb", "seconds"} of one engine step under `plan` (after a warm-up step)."""
-    from segback.engine import value_and_grad
-    from segback.engine.stack import get_stack
-
     layers = get_stack(model).layers
     undo = attach_lora(layers, lora_rank)
     try:

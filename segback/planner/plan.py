@@ -10,16 +10,21 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from segback.engine.options import EngineOptions
+from segback.engine.options import AUTO, EngineOptions
 from segback.engine.plan_file import Plan, segments_of
 from segback.engine.ring_attention import shard_positions
+from segback.models.dequant_linear import use_dequantized_matmul
+from segback.models.family import check_family
+from segback.models.load import load
+from segback.models.random_init import build_model, geometry_config
 from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
 from segback.planner.context import RingCostModel
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
-from segback.planner.measure import MEASURE_BUDGET
+from segback.planner.measure import MEASURE_BUDGET, MEASURE_STEPS, measure_count, measured_pick
 from segback.planner.search import (best_by_count, choose, engine_label, most_kept, pick,
-                                    search_space, tile_configs, within)
+                                    tile_configs, within)
+from segback.planner.space import SearchSpace
 
 
 def plan_segments(
@@ -40,8 +45,9 @@ def plan_segments(
     tile: int | str | None = None,
     offload: bool | str = False,
     light_tile: int | None = None,
-    boundaries_on_device: int | str = "auto",
+    boundaries_on_device: int | str = AUTO,
     options: EngineOptions | None = None,
+    space: SearchSpace | None = None,
     measure: int | str = 0,
     measure_budget: float = MEASURE_BUDGET,
     context_parallel: int = 1,
@@ -61,7 +67,9 @@ def plan_segments(
     (with and without offload): with a target, the fastest that meets it, else the smallest
     peak. `light_tile` plans the tiled engine's light passes on their own tile (default: the
     tile); `boundaries_on_device` keeps the last N segments' boundaries on the device, "auto"
-    (default) as many as the target leaves room for (none without one). `options` carries the
+    (default) as many as the target leaves room for (none without one). `space` (a
+    `SearchSpace`) gives these five at once, in place of `attention`, `tile`, `offload`,
+    `light_tile` and `boundaries_on_device`. `options` carries the
     run-time engine options (compile, shared traces, tiles in flight, prefetch, head chunk) into
     the plan; the planner fills in what it chose. `measure` > 0 times that many candidate plans
     (those predicted to meet the target, fastest predicted first; more while none measured
@@ -81,13 +89,9 @@ def plan_segments(
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
     if isinstance(model_or_config, dict) and not isinstance(model_or_config, nn.Module):
-        from segback.models.family import check_family
-
         check_family(model_or_config, "the config")  # before a model is built from it
-    from segback.planner.measure import measure_count
-
     if context_parallel > 1:
-        if calibrate or measure not in (0, "auto"):
+        if calibrate or measure not in (0, AUTO):
             raise ValueError(f"--context-parallel {context_parallel} plans one rank of a ring: "
                              "it cannot be calibrated or timed in one process (drop "
                              "--calibrate and --measure)")
@@ -97,18 +101,16 @@ def plan_segments(
         shard = seq_len
     measure = measure_count(measure, target_gb)
     runtime = options or EngineOptions()
-    tile, offload, boundaries_on_device = search_space(tile, offload, light_tile,
-                                                       boundaries_on_device)
-    configs = tile_configs(shard, attention, tile, offload, runtime.mlp_chunk)
+    if space is None:
+        space = SearchSpace.from_dict(dict(
+            attention=attention, tile=tile, offload=offload, light_tile=light_tile,
+            boundaries_on_device=boundaries_on_device))
+    configs = tile_configs(shard, space, runtime.mlp_chunk)
     if measure and not isinstance(model_or_config, (nn.Module, dict)) \
             and Path(model_or_config).is_dir():  # time it as training loads it
-        from segback.models.load import load
-
         model_or_config, _ = load(model_or_config, dtype=dtype)
         model_or_config.freeze()
     if (calibrate or measure) and _is_lazy_random(model_or_config):  # needs real weights
-        from segback.models.random_init import build_model, geometry_config
-
         if dtype is None:  # bfloat16 matmuls are slow on CPU
             dtype = "bfloat16" if mx.default_device() == mx.gpu else "float32"
         config = model_or_config if isinstance(model_or_config, dict) \
@@ -117,8 +119,6 @@ def plan_segments(
                        else config["model_type"])
         model_or_config = build_model(config, dtype=DTYPES[dtype], quantize_bits=quant_bits)
         if quant_bits:  # as `segback.models.load` runs a quantized checkpoint for training
-            from segback.models.dequant_linear import use_dequantized_matmul
-
             use_dequantized_matmul(model_or_config)
         model_or_config.freeze()  # calibration attaches LoRA to the layers it measures
     else:
@@ -131,7 +131,7 @@ def plan_segments(
     if calibrate:
         kinds = {att for att, *_ in configs}  # measure the attention the plan will run
         coef = fit_coefficients(model, geom, batch_size, lora_rank,
-                                kinds.pop() if len(kinds) == 1 else attention,
+                                kinds.pop() if len(kinds) == 1 else space.attention,
                                 calibration_lengths)
     given = segments
     options = []  # (cost, segments, meets_target, meets_time, message) per configuration
@@ -142,9 +142,9 @@ def plan_segments(
         kw = dict(prefetch=runtime.prefetch and off, host_table=runtime.host_table,
                   mlp_chunk=chunk)
         cost = CostModel(geom, seq_len, batch_size, att, coef, t, off,
-                         light_tile if t else None, **kw) if context_parallel == 1 else \
+                         space.light_tile if t else None, **kw) if context_parallel == 1 else \
             RingCostModel(geom, seq_len, context_parallel, context_order, batch_size, att,
-                          coef, t, off, light_tile if t else None, **kw)
+                          coef, t, off, space.light_tile if t else None, **kw)
         if given is None:
             options.append((cost, *choose(cost, target_gb, time_budget)))
             continue
@@ -155,13 +155,13 @@ def plan_segments(
                         f"given plan of {len(segs)} segments: {peak / GB:.2f} GB"))
     def finish(cost, segments, meets_target, meets_time, message):
         return _plan(cost, segments, meets_target, meets_time, message, len(options), geom,
-                     target_gb, boundaries_on_device, runtime, inputs)
+                     target_gb, space.boundaries_on_device, runtime, inputs)
 
     inputs = dict(model=model_id, model_type=geom.model_type, num_layers=geom.num_layers,
                   seq_len=seq_len, batch_size=batch_size, target_gb=target_gb,
-                  time_budget=time_budget, dtype=geom.dtype, attention=attention, tile=tile,
-                  offload=offload, light_tile=light_tile,
-                  boundaries_on_device=boundaries_on_device, lora_rank=lora_rank,
+                  time_budget=time_budget, dtype=geom.dtype, attention=space.attention,
+                  tile=space.tile, offload=space.offload, light_tile=space.light_tile,
+                  boundaries_on_device=space.boundaries_on_device, lora_rank=lora_rank,
                   lora_layers=lora_layers,
                   quant_bits=quant_bits if quant_bits is not None else
                   (geom.quant_bits[0] if len(geom.quant_bits) == 1 else geom.quant_bits or None),
@@ -171,8 +171,6 @@ def plan_segments(
     best = pick(options, target_gb)
     if not measure or given is not None:
         return finish(*best)
-    from segback.planner.measure import MEASURE_STEPS, measured_pick
-
     candidates = []
     for cost, *_ in options:
         for segs in best_by_count(cost).values():
@@ -193,7 +191,7 @@ def plan_segments(
     def build(cost, segs, target=target_gb):  # plans are built only as they are measured
         label = engine_label(cost.tile, cost.offload, cost.mlp_chunk)
         return lambda: _plan(cost, segs, True, True, f"{label}, {len(segs)} segments", 1, geom,
-                             target, boundaries_on_device, runtime, inputs)
+                             target, space.boundaries_on_device, runtime, inputs)
 
     plan, records = measured_pick(model, [(id(cost), build(cost, segs))
                                           for _, _, cost, segs in candidates],
@@ -231,7 +229,7 @@ def corrected_pick(candidates: list[tuple], records: list[dict], target_gb: floa
 def _plan(cost, segments, meets_target, meets_time, message, n_options, geom, target_gb,
           boundaries_on_device, runtime, inputs) -> Plan:
     """The Plan of one (configuration, cut): kept boundaries, engine options, predictions."""
-    if cost.offload and boundaries_on_device == "auto":
+    if cost.offload and boundaries_on_device == AUTO:
         if target_gb is not None and meets_target:
             cost.boundaries_on_device = most_kept(cost, segments, target_gb)
     elif cost.offload:

@@ -5,12 +5,13 @@ configurations (untiled, tile sizes, offload) and the boundaries kept on the dev
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import numpy as np
-from segback.engine.options import EngineOptions, OptionsError
+
+from segback.engine.options import AUTO
 from segback.planner.cost import CostModel
 from segback.planner.geometry import GB
+from segback.planner.space import SearchSpace
 
 
 # Ties within this fraction of the minimum peak go to fewer segments (faster, better fusion).
@@ -132,41 +133,15 @@ def most_kept(cost: CostModel, segments: list[tuple[int, int]], target_gb: float
     return best
 
 
-def search_space(tile: Any, offload: Any, light_tile: Any, keep: Any
-                 ) -> tuple[int | str | None, bool | str, int | str]:
-    """The planner's choices as asked ("512", "auto", "true", 512, True...): (tile tokens |
-    "auto" | None, offload True | False | "auto", boundaries on the device N | "auto"), or a
-    clear error. Concrete values are checked as `EngineOptions` checks them."""
-    def auto_or(value: Any, parse: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        return parse(value)
-
-    tile = auto_or(tile, lambda v: EngineOptions.from_dict({"tile": v}).tile)
-    offload = auto_or(offload, lambda v: bool(EngineOptions.from_dict(
-        {"tile": 1, "offload": v}).offload))
-    keep = auto_or(keep, lambda v: EngineOptions.from_dict(
-        {"tile": 1, "offload": True, "boundaries_on_device": v}).boundaries_on_device)
-    if light_tile is not None and not tile:
-        raise OptionsError("light_tile needs a tile size (tile=...): it is part of the tiled "
-                           "engine")
-    if keep not in (0, "auto") and not offload:
-        raise OptionsError(f"boundaries_on_device={keep} keeps boundaries on the device "
-                           "instead of host memory: it needs offload")
-    return tile, offload, keep
-
-
-def tile_configs(seq_len: int, attention: str, tile: int | str | None,
-                 offload: bool | str, mlp_chunk: int | None = None
+def tile_configs(seq_len: int, space: SearchSpace, mlp_chunk: int | None = None
                  ) -> list[tuple[str, int | None, bool, int | None]]:
-    """(attention, tile, offload, mlp_chunk) configurations the planner weighs for these
-    options (as `search_space` returns them; `mlp_chunk` as the engine options give it)."""
-    if offload is True and tile is None:
-        raise ValueError("offload needs a tile size (--tile N or --tile auto)")
-    if mlp_chunk and tile not in (None, "auto"):
+    """(attention, tile, offload, mlp_chunk) configurations the planner weighs in `space`
+    (`mlp_chunk` as the engine options give it)."""
+    attention, tile, offload = space.attention, space.tile, space.offload
+    if mlp_chunk and tile not in (None, AUTO):
         raise ValueError("mlp_chunk is for untiled plans: drop it, or --tile")
-    offloads = [False, True] if offload == "auto" else [bool(offload)]
-    if tile != "auto":
+    offloads = [False, True] if offload == AUTO else [bool(offload)]
+    if tile != AUTO:
         if tile is None:
             return [(attention, None, False, mlp_chunk)]
         return [(attention, tile, off, None) for off in offloads]

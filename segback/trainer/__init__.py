@@ -1,6 +1,8 @@
 """`segback train`: LoRA, DoRA and full fine-tuning with the segmented backward, mlx-lm's options.
 
-- `config`: every option declared once (`TrainConfig`); the CLI and config files come from it;
+- `config`: every option declared once (`TrainConfig`); the command line (`arguments`) and
+  config files (`config_file`) come from it, its values are checked in `values`, its engine
+  options typed once in `engine_request`;
 - `loop`: the training loop (`train(model, optimizer, train_set, val_set, args, grad_fn)`);
 - `checkpoints`: the run directory (checkpoints, log, bit-exact resume, final adapter);
 - `cli`: options -> model, plan, optimizer, data -> loop (`segback train`).

@@ -36,6 +36,8 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from segback.models.adapters import CONFIG_FILE, WEIGHTS_FILE, base_fingerprint, \
     save_safetensors_atomic
 from segback.io import atomic_write_json, atomic_write_text, read_json
+from segback.trainer import engine_request
+from segback.trainer.values import TrainConfigError
 
 CHECKPOINTS = "checkpoints"
 FINISHED = "finished"  # checkpoints/finished/KEY: the last checkpoint of finished settings
@@ -95,6 +97,17 @@ def identity(args: Any, model: nn.Module, train_set: Any) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it."""
     return {**{k: getattr(args, k, None) for k in RESUME_KEYS},
             "dtype": model_dtype(model), "data_sha256": data_fingerprint(train_set)}
+
+
+def typed_engine(config: dict) -> dict:
+    """`config` with its engine options as `engine_request.parse` types them: options given as
+    "2048" or 2048, "true" or true, name the same settings."""
+    if not isinstance(config.get("engine"), dict):
+        return config
+    try:
+        return config | {"engine": engine_request.parse(config["engine"])}
+    except TrainConfigError:
+        return config
 
 
 def check_resume(saved: dict, current: dict, path: Path) -> None:
@@ -389,7 +402,7 @@ class Run:
     @staticmethod
     def _key(identity: dict, world_size: int, config: dict) -> str:
         """Names a run's settings: what fixes its result (not RUN_ONLY options)."""
-        kept = {k: v for k, v in config.items() if k not in RUN_ONLY}
+        kept = {k: v for k, v in typed_engine(config).items() if k not in RUN_ONLY}
         text = json.dumps([identity, world_size, kept], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -428,7 +441,7 @@ class Run:
             return ", ".join(moved)
         if state.get("world_size", 1) != self.world_size:
             return "number of ranks"
-        saved, now = state.get("config", {}), self.adapter_config()
+        saved, now = typed_engine(state.get("config", {})), self.adapter_config()
         keys = sorted(k for k in set(saved) | set(now)  # identity's keys are compared above
                       if k not in RUN_ONLY and k not in self.identity
                       and saved.get(k) != now.get(k)

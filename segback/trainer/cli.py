@@ -22,18 +22,27 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
+from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
 
-from segback.data.dataset import DataError
+from segback.data.dataset import PAD_TO, DataError
 from segback.data.tokens import ByteTokenizer
 from segback.engine import EngineOptions, OptionsError, Plan, PlanError, segments_of
-from segback.engine.options import parse_value
+from segback.engine.options import AUTO
+from segback.engine.ring_attention import shard_positions
+from segback.engine.stack import get_stack
 from segback.io import atomic_write_json
-from segback.trainer import distributed, loop
-from segback.trainer.checkpoints import SUMMARY, Interrupted, ResumeError, TrainingDiverged
-from segback.trainer.config import TrainConfigError, TrainConfig, add_arguments, from_args, \
-    split_engine
-from segback.trainer.stop import interruptible
 from segback.lock import LockedError, exclusive
+from segback.models.adapters import adapter_modules, base_fingerprint, mount
+from segback.models.load import load
+from segback.planner import plan_segments
+from segback.planner.geometry import text_parts
+from segback.trainer import distributed, engine_request, loop
+from segback.trainer.arguments import add_arguments, from_args
+from segback.trainer.checkpoints import RUN_ONLY, SUMMARY, Interrupted, ResumeError, \
+    TrainingDiverged
+from segback.trainer.config import TrainConfig
+from segback.trainer.stop import interruptible
+from segback.trainer.values import TrainConfigError
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -100,8 +109,6 @@ def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
         result = loop.train(model, build_optimizer(cfg), train_set, valid_set, cfg, grad_fn,
                             training_callback=callback, world=world)
     elif (Path(cfg.adapter_path) / "adapter_config.json").exists():
-        from segback.models.adapters import mount
-
         mount(model, cfg.adapter_path)
     else:
         print(f"segback: no adapter in {cfg.adapter_path}: testing the base model",
@@ -123,8 +130,6 @@ def run(cfg: TrainConfig, world: distributed.World | None = None) -> dict:
 
 def agreed(cfg: TrainConfig) -> dict:
     """The options every rank must share (not where rank 0 writes)."""
-    from segback.trainer.checkpoints import RUN_ONLY
-
     return {k: v for k, v in vars(cfg).items() if k not in RUN_ONLY}
 
 
@@ -132,7 +137,7 @@ def reporting_callback(cfg: TrainConfig) -> Any:
     """mlx-lm's wandb/swanlab callback for --report-to (None without it)."""
     if not cfg.report_to:
         return None
-    from mlx_lm.tuner.callbacks import get_reporting_callbacks
+    from mlx_lm.tuner.callbacks import get_reporting_callbacks  # imports wandb, swanlab
 
     try:
         return get_reporting_callbacks(cfg.report_to, project_name=cfg.project_name,
@@ -153,8 +158,6 @@ def load_model(spec: str) -> tuple[nn.Module, Any]:
 
     Geometry models ship no tokenizer: they get `ByteTokenizer` (for smoke runs and benchmarks).
     """
-    from segback.models.load import load
-
     model, tokenizer = load(spec)
     if tokenizer is None:
         vocab = getattr(getattr(model, "args", None), "vocab_size", None) or 0
@@ -168,10 +171,6 @@ def attach(model: nn.Module, cfg: TrainConfig) -> None:
     """Freeze the base and make the trainable part exactly as `mlx_lm.lora` does: LoRA/DoRA
     layers on the last --num-layers layers, or those layers unfrozen (full); then load
     --resume-adapter-file."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    from segback.models.adapters import adapter_modules
-
     if adapter_modules(model):
         raise ValueError("the model already has LoRA layers; pass a base model")
     if cfg.num_layers > len(model.layers):
@@ -218,8 +217,6 @@ def load_adapter_file(model: nn.Module, path: str) -> None:
 def warn_other_base(model: nn.Module, config_file: Path, path: str) -> None:
     """Warn when the adapter_config.json beside --resume-adapter-file says it was trained on
     another base model (shapes alone cannot tell: a same-geometry model fits them)."""
-    from segback.models.adapters import base_fingerprint
-
     try:
         saved = json.loads(config_file.read_text()).get("base_model_sha256")
     except (OSError, ValueError, AttributeError):
@@ -233,8 +230,6 @@ def warn_other_base(model: nn.Module, config_file: Path, path: str) -> None:
 def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     """mlx_lm.lora's optimizer: the class of --optimizer with optimizer_config[name], on
     mlx-lm's schedule (`build_schedule`) or a constant --learning-rate."""
-    from mlx_lm.tuner.utils import build_schedule
-
     schedule = cfg.lr_schedule_config()
     lr = build_schedule(schedule) if schedule else cfg.learning_rate
     cls = OPTIMIZER_CLASSES[cfg.optimizer]
@@ -249,50 +244,40 @@ def build_optimizer(cfg: TrainConfig) -> optim.Optimizer:
 
 
 def resolve_plan(cfg: TrainConfig, model: nn.Module, batch_size: int | None = None) -> Plan:
-    """The plan the engine runs, checked against the model: `--plan auto` asks the planner
-    (with what the engine flags say, 'auto' included), a file is read (flags given on top of
-    its engine options), N makes segments of N layers. `batch_size`: the rows each rank runs
-    (default --batch-size: one process)."""
+    """The plan the engine runs, checked here against the model and the longest batch (the
+    steps do not check it again): `--plan auto` asks the planner (with what the engine flags
+    say, 'auto' included), a file is read (flags given on top of its engine options), N makes
+    segments of N layers. `batch_size`: the rows each rank runs (default --batch-size: one
+    process)."""
     batch_size = batch_size or cfg.batch_size
-    from segback.engine.stack import get_stack
-
-    searched, runtime = split_engine(cfg.engine)
-    auto = {k for k, v in searched.items() if v == "auto"}
     if cfg.plan != "auto":
+        auto = engine_request.asks_planner(cfg.engine)
         if auto:
-            raise TrainConfigError(f"{', '.join(sorted(auto))} 'auto' needs --plan auto (the "
-                                   "planner chooses them)")
+            raise TrainConfigError(f"{', '.join(auto)} 'auto' needs --plan auto (the planner "
+                                   "chooses them)")
         if cfg.target_gb is not None:
             raise TrainConfigError(f"--target-gb {cfg.target_gb} needs --plan auto (a given plan "
                                    "has its own target: make it with `segback plan --target-gb`)")
-        if cfg.measure_plan not in (0, "auto"):
+        if cfg.measure_plan not in (0, AUTO):
             raise TrainConfigError(f"--measure-plan {cfg.measure_plan} needs --plan auto (it times "
                                    "the planner's candidates)")
     n = len(model.layers)
     if cfg.plan == "auto":
-        from segback.planner import plan_segments
-
-        given = {k: _planner_value(k, v) for k, v in searched.items()}
-        fixed = EngineOptions.from_dict(runtime | {"attention": given.get("attention", "fused")},
-                                        "engine options")
+        space = engine_request.space(cfg.engine)
         plan = plan_segments(
             model, cfg.max_seq_length, batch_size=batch_size, target_gb=cfg.target_gb,
             lora_rank=cfg.lora_parameters["rank"],
-            lora_layers=None if cfg.num_layers < 0 else cfg.num_layers,
-            attention=fixed.attention, tile=given.get("tile"),
-            offload=given.get("offload", False), light_tile=given.get("light_tile"),
-            boundaries_on_device=given.get("boundaries_on_device", "auto"), options=fixed,
+            lora_layers=None if cfg.num_layers < 0 else cfg.num_layers, space=space,
+            options=engine_request.runtime(cfg.engine, space.attention),
             measure=cfg.measure_plan, context_parallel=cfg.context_parallel,
             context_order=cfg.context_order)
     elif isinstance(cfg.plan, str):
         plan = Plan.read(cfg.plan)
-        plan = plan.with_engine(EngineOptions.from_dict(
-            plan.engine.to_dict() | searched | runtime, f"{cfg.plan}: engine"))
+        plan = plan.with_engine(engine_request.on_top(plan.engine, cfg.engine,
+                                                      f"{cfg.plan}: engine"))
     else:
         plan = Plan(segments=segments_of(cfg.plan, n),
-                    engine=EngineOptions.from_dict(searched | runtime, "engine options"))
-    from segback.planner.geometry import text_parts
-
+                    engine=engine_request.on_top(EngineOptions(), cfg.engine, "engine options"))
     if cfg.context_parallel > 1:
         check_context(cfg)
     plan.check(n, get_stack(model).layer_types,
@@ -310,15 +295,11 @@ def shard_length(cfg: TrainConfig) -> int:
     --context-parallel its longest shard."""
     if cfg.context_parallel == 1:
         return cfg.max_seq_length
-    from segback.engine.ring_attention import shard_positions
-
     return shard_positions(cfg.max_seq_length, cfg.context_parallel, cfg.context_order).padded
 
 
 def check_context(cfg: TrainConfig) -> None:
     """--context-parallel's limits, the same on every rank (so every rank stops)."""
-    from segback.data.dataset import PAD_TO
-
     R = cfg.context_parallel
     if cfg.pack:
         raise TrainConfigError(f"--context-parallel {R} trains unpacked rows: leave out --pack "
@@ -330,13 +311,6 @@ def check_context(cfg: TrainConfig) -> None:
                                f"into {pieces} pieces, more than the {shortest} tokens of the "
                                "shortest batch: use fewer context ranks" + (
                                    " or --context-order contiguous" if pieces > R else ""))
-
-
-def _planner_value(name: str, value: Any) -> Any:
-    """A --plan auto search input: 'auto', or the value parsed as the engine parses it."""
-    if value == "auto":
-        return value
-    return parse_value(EngineOptions.__dataclass_fields__[name], value)
 
 
 def describe(plan: Plan, model: nn.Module, cfg: TrainConfig) -> None:

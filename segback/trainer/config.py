@@ -1,53 +1,31 @@
 """`segback train`'s options: each declared once, as a `TrainConfig` field with its type and help.
 
-The command line (`add_arguments`) and the config file (`read_config_file`, YAML or JSON) are
-generated from that declaration; engine options come from `segback.engine.options`' own
-declaration. Names are mlx-lm's (`mlx_lm.lora`), so its example config and the
-`adapter_config.json` it writes (or we write) load with `-c`. Old segback names stay as aliases
-(`--seq`, `--grad-accum`, `--val-every`) or as extras that add something (`--lora-rank`,
-`--warmup`, `--plan`, `--resume`, ...). Values are checked here, at the edge: a bad one fails
-with a message naming the option, before any model is loaded.
+The command line (`segback.trainer.arguments`) and the config file
+(`segback.trainer.config_file`, YAML or JSON) are generated from that declaration; engine options
+come from `segback.engine.options`' own declaration (`segback.trainer.engine_request`). Names are
+mlx-lm's (`mlx_lm.lora`), so its example config and the `adapter_config.json` it writes (or we
+write) load with `-c`. Old segback names stay as aliases (`--seq`, `--grad-accum`, `--val-every`)
+or as extras that add something (`--lora-rank`, `--warmup`, `--plan`, `--resume`, ...). Values
+are checked here, at the edge (`segback.trainer.values`): a bad one fails with a message naming
+the option, before any model is loaded.
 
 Precedence: declared defaults < the config file < the command line.
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import json
-import math
-import re
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import yaml
+from segback.trainer import engine_request
+from segback.trainer.engine_request import ENGINE_NAMES
+from segback.trainer.values import FINE_TUNE_TYPES, MAPPING, MEASURE, OPTIMIZERS, PLAN, \
+    SCHEDULE, SCHEDULES, SIZE, STRINGS, TrainConfigError, check_lora_parameters, \
+    check_optimizer_config, convert, refuse_unknown
 
-from segback.engine import options as engine_options
-from segback.engine.options import EngineOptions, OptionsError
-
-OPTIMIZERS = ("adam", "adamw", "muon", "sgd", "adafactor")  # mlx_lm.lora's (a test checks)
-FINE_TUNE_TYPES = ("lora", "dora", "full")
-SCHEDULES = ("cosine", "constant")
-LORA_KEYS = ("rank", "scale", "dropout", "keys")
-SCHEDULE_KEYS = ("name", "warmup", "warmup_init", "arguments")
-DATA_FEATURES = {"prompt_feature": "prompt", "completion_feature": "completion",
-                 "chat_feature": "messages", "text_feature": "text"}
-# What the planner chooses under --plan auto (these also take "auto" there).
-SEARCHED = ("attention", "tile", "offload", "light_tile", "boundaries_on_device")
-PLANNER_CHOOSES = ("tile", "offload", "boundaries_on_device")  # "auto" = the planner's choice
-ENGINE_KEYS = tuple(f.name for f in fields(EngineOptions))
-ENGINE_ALIASES = {"offload_keep": "boundaries_on_device", "head_max_elements": "head_chunk"}
 # Keys mlx-lm config files carry that segback ignores: the config file's own path.
 IGNORED_KEYS = ("config",)
-
-
-class TrainConfigError(ValueError):
-    """An option with a value segback train cannot run; the message names the option."""
-
-
-# ---- the declaration -------------------------------------------------------------------------
 
 
 def option(default: Any, type_: Any, help: str, *, aliases: tuple[str, ...] = (),
@@ -77,14 +55,6 @@ def layers(v: int) -> str | None:
 
 def batches(v: int) -> str | None:
     return None if v >= -1 else "must be >= 0, or -1 (-1 means all batches)"
-
-
-SCHEDULE = "schedule"  # lr_schedule: a name (cosine, constant) or mlx-lm's mapping
-PLAN = "plan"  # auto | FILE.json | layers per segment | [[start, stop], ...]
-MEASURE = "measure"  # auto | a count >= 0
-MAPPING = "mapping"
-STRINGS = "strings"
-SIZE = "size"  # bytes, or "2GB" as mlx-lm's --clear-cache-threshold
 
 
 @dataclass
@@ -232,21 +202,21 @@ class TrainConfig:
                                 "balanced) or contiguous", choices=("zigzag", "contiguous"),
                                 group="segback")
     progress: bool = option(True, bool, "tqdm progress bar", group="segback")
-    engine: dict = option({}, MAPPING, "engine options (a config file may give them flat: "
-                          "tile: 2048, offload: true, ...)", cli=False, group="segback")
+    engine: dict = option({}, MAPPING, "engine options, typed (a config file may give them "
+                          "flat: tile: 2048, offload: true, ...)", cli=False, group="segback")
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, _convert(f, getattr(self, f.name)))
+            setattr(self, f.name, convert(f, getattr(self, f.name)))
         for f in fields(self):  # extras fill mlx-lm's mappings, then are spent
             target, value = f.metadata["fills"], getattr(self, f.name)
             if target and value is not None:
                 mapping, key = target.split(".")
                 getattr(self, mapping)[key] = value
                 setattr(self, f.name, None)
-        self.lora_parameters = _lora_parameters(self.lora_parameters)
-        self.optimizer_config = _optimizer_config(self.optimizer_config)
-        self.engine = _engine(self.engine)
+        self.lora_parameters = check_lora_parameters(self.lora_parameters)
+        self.optimizer_config = check_optimizer_config(self.optimizer_config)
+        self.engine = engine_request.parse(self.engine)
         if self.training_mode != "normal":
             raise TrainConfigError(
                 f"training_mode {self.training_mode!r} is not supported: segback train does "
@@ -301,335 +271,21 @@ FIELDS = {f.name: f for f in fields(TrainConfig)}
 ALIASES = {a: f.name for f in fields(TrainConfig) for a in f.metadata["aliases"]}
 
 
-# ---- values ----------------------------------------------------------------------------------
-
-
-def _name(f: Any) -> str:
-    flag = f" (--{f.name.replace('_', '-')})" if f.metadata["cli"] else ""
-    return f"{f.name}{flag}"
-
-
-def _number(v: Any, kind: type, what: str) -> Any:
-    """An int or float from a number or a string (PyYAML reads 1e-5 as a string)."""
-    if isinstance(v, bool):
-        raise TrainConfigError(f"{what} must be a number, not {v!r}")
-    if isinstance(v, str):
-        try:
-            v = float(v.strip()) if kind is float or not re.fullmatch(r"\s*[-+]?\d+\s*", v) \
-                else int(v)
-        except ValueError:
-            raise TrainConfigError(f"{what} must be a number, not {v!r}") from None
-    if not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-        raise TrainConfigError(f"{what} must be a finite number, not {v!r}")
-    if kind is int:
-        if v != int(v):
-            raise TrainConfigError(f"{what} must be a whole number, not {v!r}")
-        return int(v)
-    return float(v)
-
-
-def _boolean(v: Any, what: str) -> bool:
-    if isinstance(v, bool):
-        return v
-    low = str(v).strip().lower()
-    if low in ("true", "on", "yes", "1", "false", "off", "no", "0"):
-        return low in ("true", "on", "yes", "1")
-    raise TrainConfigError(f"{what} must be true or false, not {v!r}")
-
-
-def _size(v: Any, what: str) -> int:
-    if isinstance(v, str) and re.fullmatch(r"\s*[\d.]+\s*[MmGg]?[Bb]?\s*", v):
-        from mlx_lm.utils import _parse_size  # mlx-lm's --clear-cache-threshold reading
-
-        return _parse_size(v.strip())
-    return _number(v, int, what)
-
-
-def _convert(f: Any, v: Any) -> Any:
-    """One option's value in its declared type, checked."""
-    kind, what = f.metadata["type"], _name(f)
-    if v is None:
-        if kind is MAPPING and f.default is MISSING:
-            return f.default_factory()  # mlx-lm writes lora_parameters: null for full
-        if f.default is not None and f.name != "lr_schedule":  # null lr_schedule: constant
-            raise TrainConfigError(f"{what} needs a value")
-        return None
-    if kind in (int, float):
-        v = _number(v, kind, what)
-    elif kind is bool:
-        v = _boolean(v, what)
-    elif kind is SIZE:
-        v = _size(v, what)
-    elif kind is str:
-        if isinstance(v, (dict, list, bool)):
-            raise TrainConfigError(f"{what} must be a string, not {v!r}")
-        v = str(v)
-    elif kind is STRINGS:
-        v = [v] if isinstance(v, str) else v
-        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise TrainConfigError(f"{what} must be a list of strings, not {v!r}")
-    elif kind is MAPPING:
-        if f.name == "hf_dataset" and isinstance(v, list):
-            return v
-        if not isinstance(v, dict):
-            raise TrainConfigError(f"{what} must be a mapping, not {v!r}")
-        v = dict(v)
-    elif kind is PLAN:
-        v = _plan(v, what)
-    elif kind is MEASURE:
-        v = "auto" if isinstance(v, str) and v.strip().lower() == "auto" else \
-            _number(v, int, what)
-        if v != "auto" and v < 0:
-            raise TrainConfigError(f"{what} {v!r}: must be auto or >= 0")
-    elif kind is SCHEDULE:
-        v = _schedule(v, what)
-    choices = f.metadata["choices"]
-    if choices and isinstance(v, str) and v not in choices:
-        raise TrainConfigError(f"{what} must be one of {', '.join(choices)}, not {v!r}")
-    check = f.metadata["check"]
-    problem = check(v) if check else None
-    if problem:
-        raise TrainConfigError(f"{what} {v!r}: {problem}")
-    return v
-
-
-def _plan(v: Any, what: str) -> Any:
-    if isinstance(v, str) and re.fullmatch(r"\s*\d+\s*", v):
-        v = int(v)
-    if isinstance(v, bool) or (isinstance(v, int) and v < 1):
-        raise TrainConfigError(f"{what} {v!r}: must be auto, a plan file or layers per "
-                               "segment >= 1")
-    if isinstance(v, (int, str, list)):
-        return v
-    raise TrainConfigError(f"{what} must be auto, a plan JSON file, layers per segment or a list "
-                           f"of [start, stop] ranges, not {v!r}")
-
-
-def _schedule(v: Any, what: str) -> Any:
-    if isinstance(v, str):
-        return v
-    if not isinstance(v, dict):
-        raise TrainConfigError(f"{what} must be {' or '.join(SCHEDULES)} or a mapping "
-                               f"{{{', '.join(SCHEDULE_KEYS)}}}, not {v!r}")
-    v = dict(v)
-    _refuse_unknown(v, SCHEDULE_KEYS, "lr_schedule")
-    import mlx.optimizers as optim
-
-    name = v.get("name")
-    if not isinstance(name, str) or not callable(getattr(optim.schedulers, name, None)):
-        raise TrainConfigError(f"lr_schedule.name must name a schedule of mlx.optimizers "
-                               f"(cosine_decay, linear_schedule, ...), not {name!r}")
-    if not isinstance(v.get("arguments"), list) or not v["arguments"]:
-        raise TrainConfigError(f"lr_schedule.arguments must be a list (the first is the initial "
-                               f"learning rate), not {v.get('arguments')!r}")
-    v["arguments"] = [_number(a, float, f"lr_schedule.arguments[{i}]")
-                      if isinstance(a, str) else a for i, a in enumerate(v["arguments"])]
-    if "warmup" in v:
-        v["warmup"] = _number(v["warmup"], int, "lr_schedule.warmup")
-        if v["warmup"] < 0:
-            raise TrainConfigError(f"lr_schedule.warmup {v['warmup']}: must be >= 0")
-    if "warmup_init" in v:
-        v["warmup_init"] = _number(v["warmup_init"], float, "lr_schedule.warmup_init")
-    return v
-
-
-def _lora_parameters(p: dict) -> dict:
-    if "alpha" in p and "scale" not in p:
-        raise TrainConfigError("lora_parameters has 'alpha': mlx-lm's LoRA uses 'scale' "
-                               "(= PEFT alpha / rank)")
-    _refuse_unknown(p, LORA_KEYS, "lora_parameters")
-    out = {"rank": 8, "scale": 20.0, "dropout": 0.0} | p
-    out["rank"] = _number(out["rank"], int, "lora_parameters.rank (--lora-rank)")
-    if out["rank"] < 1:
-        raise TrainConfigError(f"lora_parameters.rank (--lora-rank) {out['rank']}: must be >= 1")
-    out["scale"] = _number(out["scale"], float, "lora_parameters.scale (--lora-scale)")
-    out["dropout"] = _number(out["dropout"], float, "lora_parameters.dropout (--lora-dropout)")
-    if not 0 <= out["dropout"] < 1:
-        raise TrainConfigError(f"lora_parameters.dropout (--lora-dropout) {out['dropout']}: must "
-                               "be in [0, 1)")
-    keys = out.get("keys")
-    if keys is None:
-        out.pop("keys", None)
-    elif not (isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys)):
-        raise TrainConfigError(f"lora_parameters.keys (--lora-keys) must be a list of module "
-                               f"paths, not {keys!r}")
-    return out
-
-
-def _optimizer_config(c: dict) -> dict:
-    _refuse_unknown(c, OPTIMIZERS, "optimizer_config")
-    out = {}
-    for name, kwargs in c.items():
-        if kwargs is None:
-            kwargs = {}
-        if not isinstance(kwargs, dict):
-            raise TrainConfigError(f"optimizer_config.{name} must be a mapping of keyword "
-                                   f"arguments, not {kwargs!r}")
-        out[name] = dict(kwargs)
-    return out
-
-
-def _engine(values: dict) -> dict:
-    """Engine option values as given (strings from a command line, YAML scalars); checked
-    now. "auto" is the planner's choice (tile, offload, boundaries_on_device with --plan auto)
-    or the device default (compile, share_traces)."""
-    values = {ENGINE_ALIASES.get(k, k): v for k, v in values.items() if v is not None}
-    _refuse_unknown(values, ENGINE_KEYS, "engine options")
-    searched, runtime = split_engine(values)
-    auto = [k for k, v in searched.items() if v == "auto"]
-    if set(auto) - set(PLANNER_CHOOSES):
-        raise TrainConfigError(f"{auto[0]} has no 'auto'; the planner chooses "
-                               f"{', '.join(PLANNER_CHOOSES)}")
-    try:  # what the planner will choose cannot be checked yet
-        EngineOptions.from_dict(runtime if auto else searched | runtime, "engine options")
-    except OptionsError as e:
-        raise TrainConfigError(str(e)) from None
-    return values
-
-
-def split_engine(values: dict) -> tuple[dict, dict]:
-    """(what --plan auto searches, run-time options); 'auto' compile/share_traces -> None."""
-    searched = {k: v for k, v in values.items() if k in SEARCHED}
-    runtime = {}
-    for k, v in values.items():
-        if k in SEARCHED:
-            continue
-        if isinstance(v, str) and v.strip().lower() == "auto":
-            if EngineOptions.__dataclass_fields__[k].default is not None:
-                raise TrainConfigError(f"{k} has no 'auto' (it takes a value; see --help)")
-            v = None
-        runtime[k] = v
-    for k, v in searched.items():
-        if isinstance(v, str) and v.strip().lower() == "auto":
-            searched[k] = "auto"
-    return searched, {k: v for k, v in runtime.items() if v is not None}
-
-
-# ---- config files and names ------------------------------------------------------------------
-
-
-def _refuse_unknown(values: dict, known: Any, where: str) -> None:
-    for key in values:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else \
-                f"; known: {', '.join(sorted(known))}"
-            raise TrainConfigError(f"{where}: unknown option '{key}'{hint}")
-
-
 def normalize(values: dict[str, Any], where: str = "options") -> dict[str, Any]:
     """Option names from keys as a config file or a caller gives them: '-' or '_', aliases,
     engine options flat or under `engine:`; unknown keys refused with a did-you-mean."""
     out: dict[str, Any] = {}
     engine = dict(values.get("engine") or {})
-    known = [*FIELDS, *ALIASES, *ENGINE_KEYS, *ENGINE_ALIASES, *IGNORED_KEYS]
+    known = [*FIELDS, *ALIASES, *ENGINE_NAMES, *IGNORED_KEYS]
     for key, v in values.items():
         k = str(key).replace("-", "_")
         if k in IGNORED_KEYS or k == "engine":
             continue
-        if k in ENGINE_KEYS or k in ENGINE_ALIASES:
+        if k in ENGINE_NAMES:
             engine[k] = v
             continue
-        _refuse_unknown({k: v}, known, where)
+        refuse_unknown({k: v}, known, where)
         out[ALIASES.get(k, k)] = v
     if engine:
         out["engine"] = engine
     return out
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML with mlx-lm's float resolver (mlx_lm.lora): 1e-5 is a float, not a string."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-    |\.[0-9_]+(?:[eE][-+][0-9]+)?
-    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
-    |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML config (mlx-lm's lora_config.yaml) or an adapter_config.json, as option names."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise TrainConfigError(f"config file not found: {path}") from None
-    try:
-        values = json.loads(text) if path.suffix == ".json" else yaml.load(text, _Loader)
-    except json.JSONDecodeError as e:
-        raise TrainConfigError(f"{path}, line {e.lineno}, column {e.colno}: not valid JSON "
-                               f"({e.msg})") from None
-    except yaml.YAMLError as e:  # the file, line and column, and the line itself
-        from segback.experiment.config_check import yaml_problem
-
-        raise TrainConfigError(yaml_problem(path, e, text)) from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise TrainConfigError(f"{path}: a config file is a mapping of option names to values")
-    if path.suffix != ".json":
-        from segback.experiment.config_check import duplicate_keys
-
-        twice = duplicate_keys(path)
-        if twice:
-            raise TrainConfigError(twice[0])
-    return normalize(values, str(path))
-
-
-# ---- command line ----------------------------------------------------------------------------
-
-GROUPS = {"mlx-lm": "mlx-lm's options (mlx_lm.lora)", "segback": "segback's options"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per declared option (and its aliases), plus the engine's own flags. Defaults
-    are left out of the namespace, so `from_args` can tell what was given."""
-    S = argparse.SUPPRESS
-    parser.add_argument("-c", "--config", default=None,
-                        help="YAML config file (mlx-lm's lora_config.yaml) or an "
-                        "adapter_config.json; the command line wins")
-    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
-    for f in fields(TrainConfig):
-        m = f.metadata
-        if not m["cli"]:
-            continue
-        flags = ["--" + n.replace("_", "-") for n in (f.name, *m["aliases"])]
-        shown = f.default if f.default is not MISSING else "{...}"
-        kw: dict[str, Any] = dict(dest=f.name, default=S, help=f"{m['help']} (default: {shown})")
-        if m["type"] is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif m["type"] is STRINGS:
-            kw["nargs"] = "+"
-        else:
-            kw["metavar"] = m["metavar"] or f.name.upper()
-        if m["choices"]:
-            kw["metavar"] = "{" + ",".join(m["choices"]) + "}"
-        groups[m["group"]].add_argument(*flags, **kw)
-    engine_options.add_arguments(parser.add_argument_group(
-        "engine (how the segmented backward runs; a plan file's values unless given; with "
-        "--plan auto, --tile, --offload and --boundaries-on-device also take 'auto')"))
-
-
-def from_args(args: argparse.Namespace) -> TrainConfig:
-    """Declared defaults < --config file < the flags given."""
-    given = vars(args)
-    values = read_config_file(given["config"]) if given.get("config") else {}
-    values.update({k: v for k, v in given.items() if k in FIELDS})
-    engine = {k: given[k] for k in ENGINE_KEYS if given.get(k) is not None}
-    if engine:
-        values["engine"] = {**values.get("engine", {}), **engine}
-    cfg = TrainConfig(**values)
-    missing = ["model"] * (not cfg.model) + ["data"] * (not (cfg.data or cfg.hf_dataset))
-    if missing:
-        raise TrainConfigError("missing option(s): " + ", ".join("--" + m for m in missing))
-    for flag, where in (("--adapter-path", cfg.adapter_path),
-                        ("--checkpoint-dir", cfg.checkpoint_dir)):
-        if where is not None and Path(where).exists() and not Path(where).is_dir():
-            raise TrainConfigError(f"{flag} {where} is a file, not a directory: give a directory "
-                                   "(the adapter's files and checkpoints go inside it)")
-    return cfg

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,8 +42,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from segback.data.dataset import PAD_TO, TokenDataset
-from segback.engine.packing import Packed
 from segback.data.dataset import batch_at as _batch_at
+from segback.engine import context
+from segback.engine.packing import Packed
+from segback.engine.plan_file import step_inputs
+from segback.engine.ring_attention import Ring
 from segback.trainer.checkpoints import TrainingDiverged, identity, trainable_weights
 
 BUCKET_BYTES = 32 << 20  # arrays all-summed together, as nn.average_gradients
@@ -362,8 +366,6 @@ def context_world(world: World, ranks: int, order: str, config: Any,
                   seconds: float = AGREE_SECONDS) -> ContextWorld:
     """The data x context view of `world` for --context-parallel `ranks`, after checking, on
     every rank, that the ranks agree on `config` and can send to each other."""
-    from segback.engine.ring_attention import Ring
-
     if ranks < 1 or world.size % ranks:
         raise DistributedError(
             f"--context-parallel {ranks} does not divide the {world.size} rank(s) mlx.launch "
@@ -416,8 +418,6 @@ def probe(ring: Any, world: World) -> None:
 def deadline(seconds: float, world: World, what: str) -> Iterator[None]:
     """Leave the process (status 4) with a message if the block takes longer than `seconds`:
     mx.distributed's collectives wait forever for a rank that never comes."""
-    import threading
-
     def expire() -> None:
         print(f"segback train: error: {who(world)}no answer from the other ranks in "
               f"{seconds:.0f} s {what}; check that every rank runs the same command "
@@ -437,11 +437,11 @@ def context_grad_fn(plan: Any, world: ContextWorld, options: Any = None) -> Any:
     """The grad_fn of one context rank: its shard's loss and gradient shares
     (`segback.engine.context`), summed over its context ranks, so every one of them returns
     its data rank's ((loss, tokens), grads), as `loop.segmented_grad_fn` would on the whole
-    rows."""
-    from segback.engine import context
+    rows. A `Plan` is checked where it is made, as there."""
+    segments, options = step_inputs(plan, options)
 
     def grad_fn(model, batch, lengths):
-        (loss, n), grads = context.value_and_grad(model, batch, lengths, world.ring, plan,
+        (loss, n), grads = context.value_and_grad(model, batch, lengths, world.ring, segments,
                                                   options)
         summed = world.context_sum_tree({"loss": loss.astype(mx.float32),
                                          "n": mx.array(float(n)), "grads": grads})

@@ -29,14 +29,19 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.tuner.trainer import default_loss
+from tqdm import tqdm
 
 from segback.data.dataset import DataError, TokenDataset, validation_batches
 from segback.data.formats import DataFormat, encode_rows
-from segback.data.sources import load_dataset
-from segback.engine import memory_stats, reset_peak
-from segback.engine.packing import input_tokens as count_input_tokens
 from segback.data.packing import PackedDataset, pack_dataset
 from segback.data.packing import describe as describe_packing
+from segback.data.sources import load_dataset
+from segback.engine import memory_stats, reset_peak, value_and_grad
+from segback.engine.head import chunk_rows, loss_mask
+from segback.engine.packing import input_tokens as count_input_tokens
+from segback.engine.plan_file import step_inputs
+from segback.engine.stack import get_stack
 from segback.trainer import distributed
 from segback.trainer.checkpoints import Interrupted, Run
 from segback.trainer.distributed import World
@@ -46,14 +51,16 @@ GradFn = Callable[[nn.Module, mx.array, mx.array], tuple[tuple[mx.array, mx.arra
 
 def segmented_grad_fn(plan: Any = None, options: Any = None) -> GradFn:
     """`segback.engine.value_and_grad` with a `Plan` (or segments), as a grad_fn for `train`;
-    it carries the plan, which the run summary records."""
-    from segback import engine
+    it carries the plan, which the run summary records. A `Plan` is checked against the model
+    where it is made (`cli.resolve_plan`); the steps run its segments and options."""
+    segments, options = step_inputs(plan, options)
 
     def grad_fn(model, batch, lengths):
-        return engine.value_and_grad(model, batch, lengths, plan, options)
+        return value_and_grad(model, batch, lengths, segments, options)
 
     grad_fn.plan = plan
     return grad_fn
+
 
 
 def train(model: nn.Module, optimizer: optim.Optimizer, train_set: TokenDataset,
@@ -240,8 +247,6 @@ class Reporter:
     mlx-lm) and mlx-lm's reporting callback (wandb, swanlab)."""
 
     def __init__(self, args: Any, callback: Any, start: int, enabled: bool = True):
-        from tqdm import tqdm
-
         self.args, self.callback, self.enabled = args, callback, enabled
         self.bar = tqdm(total=args.iters, initial=start, desc="train", unit="step",
                         file=sys.stderr, disable=not (args.progress and enabled),
@@ -294,14 +299,9 @@ class Reporter:
 
 def eval_loss(model: nn.Module, batch: mx.array, lengths: mx.array) -> tuple[float, int]:
     """(sum of CE over counted tokens, count): no [B, T, vocab] logits at once, no backward."""
-    from segback.engine.head import chunk_rows, loss_mask
-    from segback.engine.stack import get_stack
-
     try:
         stack = get_stack(model)
     except ValueError:
-        from mlx_lm.tuner.trainer import default_loss
-
         loss, ntoks = default_loss(model, batch, lengths)
         mx.eval(loss, ntoks)
         return loss.item() * ntoks.item(), int(ntoks.item())
