@@ -1,5 +1,6 @@
-"""Files: atomic writes (a crash mid-write never leaves a truncated result behind), JSON reads, and
-where segback caches what it builds (`cache_root`).
+"""Files: atomic writes (a crash mid-write never leaves a truncated result behind), JSON reads,
+YAML errors that name the line (`yaml_problem`, `duplicate_keys`), and where segback caches
+what it builds (`cache_root`).
 
 Every writer builds its result in a scratch file (or directory) beside the target, named
 `.NAME.HOST.PID.RANDOM.tmp`, and renames it over the target once it is complete. Scratch left by
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 STALE_AFTER_S = 24 * 3600  # scratch untouched this long is stale whatever wrote it
 
@@ -239,3 +242,46 @@ def cache_root() -> Path:
     ~/.cache/segback."""
     root = os.environ.get("SEGBACK_CACHE") or Path.home() / ".cache" / "segback"
     return Path(root)
+
+
+def duplicate_keys(path: str | Path) -> list[str]:
+    """A line for each key given twice in one mapping of the YAML file at `path`."""
+    found: list[str] = []
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    found.append(f"{path}, line {key_node.start_mark.line + 1}: key `{key}` is "
+                                 f"given twice (also line {seen[key]}); YAML would keep the "
+                                 "last silently: keep one")
+                else:
+                    seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    try:
+        yaml.load(Path(path).read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []  # Snakemake has read it already, or says why it cannot
+    return found
+
+
+def yaml_problem(path: str | Path, error: Exception, text: str = "") -> str:
+    """'FILE, line L, column C: not valid YAML: PROBLEM', with the line itself, for a YAML error
+    (PyYAML keeps the position in problem_mark; its str() says '<unicode string>')."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    if "'\\t'" in problem:
+        problem += " (YAML indents with spaces, not tabs)"
+    context, cmark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and cmark is not None and mark is not cmark:
+        problem += f" ({context} from line {cmark.line + 1})"
+    if mark is None:
+        return f"{path}: not valid YAML: {problem}"
+    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}"
+    lines = text.splitlines()
+    if mark.line < len(lines):
+        where += f"\n    {mark.line + 1} | {lines[mark.line]}"
+    return where

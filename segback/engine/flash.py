@@ -21,6 +21,8 @@ from importlib.resources import files
 import mlx.core as mx
 import numpy as np
 
+from segback.engine.cuda_build import cached_cubin
+
 HEAD_DIMS = (64, 128, 256, 512)
 BQ = 64  # query rows a forward / dQ block holds
 LN2 = float(np.log(2.0))
@@ -196,8 +198,6 @@ def kernel_source(kind: str, dtype: str, consts: dict[str, int]) -> tuple[str, s
 @functools.cache
 def _precompiled(kind: str, dtype: str, consts: tuple, arch: str) -> tuple[str, bytes] | None:
     """The kernel's name and binary from segback's build (disk-cached), or None to fall back."""
-    from segback.engine.cuda_build import cached_cubin
-
     name, source = kernel_source(kind, dtype, dict(consts))
     try:
         cubin = cached_cubin(source, name, arch)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+
 from segback.engine.options import EngineOptions, canonical_name
 
 Segments = list[tuple[int, int]]
@@ -93,8 +95,6 @@ class Plan:
     def from_dict(cls, d: dict[str, Any], where: str = "plan") -> Plan:
         """A plan from its JSON form, validated against plan.schema.json first (plans written
         before `engine` existed carry its keys at the top level and are read too)."""
-        import jsonschema
-
         if not isinstance(d, dict):
             raise PlanError(f"{where}: a plan is a JSON object, not {type(d).__name__}")
         d = dict(d)

@@ -29,6 +29,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from segback.io import duplicate_keys, yaml_problem
+
 NUMBER_LIKE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 
@@ -215,30 +217,6 @@ def _where(files: list[str | Path], path: tuple) -> str:
     return ""  # from --config
 
 
-def duplicate_keys(path: str | Path) -> list[str]:
-    """A line for each key given twice in one mapping of the YAML file at `path`."""
-    found: list[str] = []
-
-    class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                if key in seen:
-                    found.append(f"{path}, line {key_node.start_mark.line + 1}: key `{key}` is "
-                                 f"given twice (also line {seen[key]}); YAML would keep the "
-                                 "last silently: keep one")
-                else:
-                    seen[key] = key_node.start_mark.line + 1
-            return super().construct_mapping(node, deep)
-
-    try:
-        yaml.load(Path(path).read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return []  # Snakemake has read it already, or says why it cannot
-    return found
-
-
 # ---- what the Snakefile calls ------------------------------------------------------------------
 
 def _dataset_value(key: str, value: Any) -> Any:
@@ -286,25 +264,6 @@ def prepare_config(config: dict, schema_path: str | Path,
     coerce_config(config)
     check_config(config, schema_path, files)
     return config
-
-
-def yaml_problem(path: str | Path, error: Exception, text: str = "") -> str:
-    """'FILE, line L, column C: not valid YAML: PROBLEM', with the line itself, for a YAML error
-    (PyYAML keeps the position in problem_mark; its str() says '<unicode string>')."""
-    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
-    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-    if "'\\t'" in problem:
-        problem += " (YAML indents with spaces, not tabs)"
-    context, cmark = getattr(error, "context", None), getattr(error, "context_mark", None)
-    if context and cmark is not None and mark is not cmark:
-        problem += f" ({context} from line {cmark.line + 1})"
-    if mark is None:
-        return f"{path}: not valid YAML: {problem}"
-    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}"
-    lines = text.splitlines()
-    if mark.line < len(lines):
-        where += f"\n    {mark.line + 1} | {lines[mark.line]}"
-    return where
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from segback.experiment.config_check import duplicate_keys, yaml_problem
+from segback.io import duplicate_keys, yaml_problem
 from segback.trainer.config import normalize
 from segback.trainer.values import TrainConfigError
 
