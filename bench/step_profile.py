@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto (the planner's cut) or N layers per segment, as `segback bench "
                    "--segments` (then --tile and --offload must be given, not auto)")
     p.add_argument("--measure", type=parse_measure, default=0, metavar="N",
-                   help="as `segback plan --measure` (default 0: the cost model's pick)")
+                   help="as `segback plan --measure-plan` (default 0: the cost model's pick)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed steps after one warm-up step; 0 reports the warm-up step itself "
                    "(kernels built on the way: the first step a user waits for)")

@@ -533,3 +533,22 @@ def test_a_plan_measured_over_its_target_is_not_chosen():
     # and it peaks lower than the pick, measured back to back (memory other tests of this
     # process left alive shifts both peaks alike)
     assert measure_plan(model, plan, 512)["peak_gb"] < measure_plan(model, fastest, 512)["peak_gb"]
+
+
+def test_measure_plan_is_one_flag_on_plan_train_and_bench():
+    """`--measure-plan` names the planner's timed candidates on every command (segback train's
+    spelling); `--measure`, the old spelling of plan and bench, still parses the same."""
+    import argparse
+
+    from segback.benchmark.cli import add_arguments as bench_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--model", "tiny-llama", "--seq", "64", "--out", "plan.json"]
+    assert p.parse_args([*base, "--measure-plan", "2"]).measure == 2
+    assert p.parse_args([*base, "--measure", "2"]).measure == 2
+    b = argparse.ArgumentParser()
+    bench_arguments(b)
+    short = ["--model", "tiny-llama", "--seq", "64"]
+    assert b.parse_args([*short, "--measure-plan", "0"]).measure == 0
+    assert b.parse_args([*short, "--measure", "1"]).measure == 1

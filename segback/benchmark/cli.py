@@ -66,9 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segments", default="auto",
                    help="auto (the planner), N layers per segment, or a plan JSON file")
     p.add_argument("--target-gb", type=float, default=None, help="planner memory target")
-    p.add_argument("--measure", type=parse_measure, default="auto", metavar="N",
-                   help="with --segments auto: time N candidate plans on the model first and "
-                   "keep the fastest measured within --target-gb, as `segback plan --measure` "
+    p.add_argument("--measure-plan", "--measure", dest="measure", type=parse_measure,
+                   default="auto", metavar="N",
+                   help="with --segments auto: time N candidate plans on the "
+                   "model first and keep the fastest measured within --target-gb, as `segback "
+                   "train --measure-plan` "
                    "(auto, the default: 3 on a GPU with --target-gb, else 0)")
     search = p.add_argument_group("the planner's choices (with --segments auto)")
     search.add_argument("--attention", default="fused", choices=["fused", "chunked"])

@@ -55,12 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure a 1- and a 2-layer segment at two lengths and fit the "
                         "cost model (a geometry is built with random weights)")
-    parser.add_argument("--measure", type=parse_measure, default=AUTO, metavar="N",
-                        help="time N candidate plans (predicted to meet --target-gb, fastest "
-                        "first; more while none measured within it), a warm-up and a timed step "
-                        "each, on the real model and keep the fastest measured within the target "
-                        "(a geometry is built with random weights); all of them within 3 of the "
-                        "pick's predicted steps; auto (default): 3 on a GPU with --target-gb, "
+    parser.add_argument("--measure-plan", "--measure", dest="measure", type=parse_measure,
+                        default=AUTO, metavar="N",
+                        help="time N candidate plans (predicted to meet --target-gb, "
+                        "fastest first; more while none measured within it), a warm-up and a timed "
+                        "step each, on the real model and keep the fastest measured within the "
+                        "target (a geometry is built with random weights); all of them within 3 of "
+                        "the pick's predicted steps; auto (default): 3 on a GPU with --target-gb, "
                         "else 0 (the cost model alone)")
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lora-layers", "--num-layers", dest="lora_layers", type=int,
