@@ -33,7 +33,7 @@ _MLX_SDPA = _base.scaled_dot_product_attention
 
 # MLX's fused VJP on CUDA runs only for query lengths that are a multiple of its tile.
 MLX_FUSED_TILE = 128
-# Past this many keys MLX's CUDA backward leaves its fused kernel and scores every key.
+# Past this many keys MLX's CUDA backward ran out of memory as if it scored every key.
 MLX_FUSED_MAX_LEN = 32768
 
 
@@ -75,8 +75,9 @@ def fused_kernel(queries: mx.array, keys: mx.array, window: int | None = None,
     return "composed"
 
 
-# cuDNN's fused backward fails to build its graph once one call's float32 dQ accumulator
-# (batch x heads x length x head dim) reaches 2^31 bytes; longer calls run in head groups.
+# cuDNN failed to build its fused backward's graph for a call whose float32 dQ accumulator
+# (batch x heads x length x head dim) was 2^31 bytes; calls stay below that in head groups
+# (a guard: that call was also past MLX_FUSED_MAX_LEN, so which limit it hit is not known).
 MLX_FUSED_MAX_ELEMENTS = 1 << 28
 
 
