@@ -297,6 +297,13 @@ CONFIGS += [
             (*ATTN, *E4B_HEADS, "--head-dim", "512", "--windows", "0", "512", "--lengths",
              "8192", "32768", "--paths", "flash", "--flash-variant", "v1", "v2",
              "--check-max-len", "8192"))),
+    Config("flash-d128-long", "h200",
+           "segback's flash kernels v1 and v2 at Llama-8B's heads (32 q / 8 kv, head dim 128, "
+           "causal) past MLX's 32K limit: errors against float32 at 8K, time, peak and "
+           "hw_fraction at 8K / 32K / 128K, beside the fused dispatch (MLX's kernel to 32K)",
+           ((*ATTN, *LLAMA_HEADS, "--windows", "0", "--lengths", "8192", "32768", "131072",
+             "--paths", "flash", "fused", "--flash-variant", "v1", "v2",
+             "--check-max-len", "8192"),)),
     Config("e4b-defaults-8k", "h200",
            "e4b at 8K with the defaults at G = 8 (must tile and offload) and G = 16 (room "
            "for an untiled plan)",
