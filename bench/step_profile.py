@@ -4,7 +4,10 @@ The step (value and gradients, evaluated; no optimizer update) is split into its
 forward over the segments, the loss head and the reverse walk, and each phase into the time
 spent inside `mx.eval` / `mx.async_eval` (the device's work and MLX's encoding of it) and the
 time outside (Python building the graph, which the device waits for: the engine evaluates each
-segment before building the next). Per-kernel rates come from `bench/qmm_bench.py` (linears) and
+segment before building the next). Each evaluation also records the peak device memory since
+the one before it and the memory still active after it, beside the plan's predicted peak per
+segment, so a misprediction can be placed (a segment, the head, what stays alive between).
+Per-kernel rates come from `bench/qmm_bench.py` (linears) and
 `bench/attention_bench.py` (attention). One JSON line per run:
 
     python bench/step_profile.py --model e4b --quant-bits 4 --seq 4096 --target-gb 8
@@ -25,12 +28,12 @@ import mlx.core as mx
 
 from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import options as engine_options
-from segback.engine.memory import memory_stats
 from segback.backend.ops_per_buffer import limit_ops_per_buffer
 from segback.planner.cli import SEARCHED
 from segback.planner.measure import parse_measure
 
 PHASES = ("forward", "head", "backward")
+GB = 2**30
 
 
 def _segments(value: str) -> str | int:
@@ -49,6 +52,7 @@ class Clock:
 
     def __init__(self, progress: float | None = None) -> None:
         self.phase = "forward"
+        self.trace: list[list] = []  # [phase, peak GB since the last evaluation, active GB]
         self.wall = dict.fromkeys(PHASES, 0.0)
         self.inside = dict.fromkeys(PHASES, 0.0)
         self.evals = dict.fromkeys(PHASES, 0)
@@ -69,11 +73,15 @@ class Clock:
                 now = time.perf_counter()
                 self.inside[self.phase] += now - tic
                 self.evals[self.phase] += 1
+                self.trace.append([self.phase, round(mx.get_peak_memory() / GB, 3),
+                                   round(mx.get_active_memory() / GB, 3)])
+                mx.reset_peak_memory()
                 if self.progress is not None and now - self.said >= self.progress:
                     self.said = now
                     print(f"step_profile: {now - self.start:.1f} s, {self.phase}, "
                           f"{self.evals[self.phase]} evaluations, peak "
-                          f"{memory_stats()['peak_gb']:.2f} GB", file=sys.stderr, flush=True)
+                          f"{max(t[1] for t in self.trace):.2f} GB", file=sys.stderr,
+                          flush=True)
         return wrapper
 
 
@@ -102,8 +110,10 @@ def profile_step(model, batch, lengths, plan, progress: float | None = None) -> 
     finally:
         mx.eval, mx.async_eval = saved
         segmented.head_vjp = head_vjp
-    row = {"step_s": round(sum(clock.wall.values()), 4), "loss": round(float(loss), 6)}
+    row = {"step_s": round(sum(clock.wall.values()), 4), "loss": round(float(loss), 6),
+           "peak_gb": max(t[1] for t in clock.trace), "memory_trace": clock.trace}
     for p in PHASES:
+        row[f"{p}_peak_gb"] = max((t[1] for t in clock.trace if t[0] == p), default=0.0)
         row[f"{p}_s"] = round(clock.wall[p], 4)
         row[f"{p}_in_eval_s"] = round(clock.inside[p], 4)
         row[f"{p}_outside_s"] = round(clock.wall[p] - clock.inside[p], 4)
@@ -169,12 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [profile_step(model, batch, lengths, plan, args.progress)
             for _ in range(args.repeats)] or [first]
     row = sorted(rows, key=lambda r: r["step_s"])[len(rows) // 2]
+    row["peak_gb"] = max(r["peak_gb"] for r in rows)
     opts = plan.engine.resolved()
     row = {"script": "bench/step_profile.py", "model": args.model, "seq": args.seq,
            "device": str(mx.default_device()), "target_gb": args.target_gb,
            "segments": len(plan.segments), **opts.to_dict(),
-           "predicted_peak_gb": plan.predicted_peak_gb,
-           "peak_gb": round(memory_stats()["peak_gb"], 3),
+           "predicted_peak_gb": plan.predicted_peak_gb, "peak_at": plan.peak_at,
+           "predicted_breakdown_gb": {k: round(v, 3) for k, v in plan.breakdown.items()},
+           "predicted_segment_gb": [round(x, 3) for x in plan.segment_gb],
            "step_s_all": [r["step_s"] for r in rows],
            "step_s_spread": round(statistics.pstdev(r["step_s"] for r in rows), 4),
            "warm": bool(args.repeats), **row}
