@@ -297,6 +297,11 @@ CONFIGS += [
             (*ATTN, *E4B_HEADS, "--head-dim", "512", "--windows", "0", "512", "--lengths",
              "8192", "32768", "--paths", "flash", "--flash-variant", "v1", "v2",
              "--check-max-len", "8192"))),
+    Config("flash-exact", "h200",
+           "segback's flash kernels v1 and v2 against dense float32 on the shapes where "
+           "tilings differ (every head dim, windows, packed rows, short query tiles): errors "
+           "only, seconds",
+           (("bench/flash_variant_check.py", "--variants", "v1", "v2"),)),
     Config("flash-d128-long", "h200",
            "segback's flash kernels v1 and v2 at Llama-8B's heads (32 q / 8 kv, head dim 128, "
            "causal) past MLX's 32K limit: errors against float32 at 8K, time, peak and "

@@ -130,6 +130,125 @@ __device__ __forceinline__ bool visible(int i, int j, int Lq, int Lk, int off, i
 #define SBFLASH_LOG2E 1.4426950408889634f
 #define SBFLASH_LN2 0.6931471805599453f
 
+// Max / sum over the 4 lanes that hold one row of a C fragment.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// The forward's online softmax step for one key tile, rows r0 / r0 + 8 of a warp: (mx0, mx1)
+// are the tile's row maxima (base 2, already reduced over the row); rescales the running
+// accumulator and sums to the new maxima and turns the scores s into exp2(s - max).
+template <int NS, int NC>
+__device__ __forceinline__ void online_softmax(float (&s)[NS][4], float (&acc)[NC][4],
+                                               float& m0, float& m1, float& l0, float& l1,
+                                               float mx0, float mx1) {
+  float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  float base0 = mn0 == neg_inf() ? 0.f : mn0, base1 = mn1 == neg_inf() ? 0.f : mn1;
+  float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
+  m0 = mn0;
+  m1 = mn1;
+  l0 *= c0;
+  l1 *= c1;
+#pragma unroll
+  for (int n = 0; n < NC; ++n) {
+    acc[n][0] *= c0;
+    acc[n][1] *= c0;
+    acc[n][2] *= c1;
+    acc[n][3] *= c1;
+  }
+#pragma unroll
+  for (int n = 0; n < NS; ++n) {
+    s[n][0] = exp2f(s[n][0] - base0);
+    s[n][1] = exp2f(s[n][1] - base0);
+    s[n][2] = exp2f(s[n][2] - base1);
+    s[n][3] = exp2f(s[n][3] - base1);
+    l0 += s[n][0] + s[n][1];
+    l1 += s[n][2] + s[n][3];
+  }
+}
+
+// Rows r0 and r1 (= r0 + 8) of a warp's C fragments acc (columns n*8 + 2t of p, row stride
+// ld), times s0 / s1, rounded to T into global memory; rows at or past n are left out.
+template <typename T, int NC>
+__device__ __forceinline__ void store_rows(T* p, int ld, int r0, int r1, int n,
+                                           const float (&acc)[NC][4], float s0, float s1) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < NC; ++j) {
+    int c = j * 8 + 2 * t;
+    if (r0 < n)
+      *reinterpret_cast<uint32_t*>(p + (size_t)r0 * ld + c) =
+          pack_f2<T>(acc[j][0] * s0, acc[j][1] * s0);
+    if (r1 < n)
+      *reinterpret_cast<uint32_t*>(p + (size_t)r1 * ld + c) =
+          pack_f2<T>(acc[j][2] * s1, acc[j][3] * s1);
+  }
+}
+
+// The forward's row log-sum-exp (natural log; -inf for a row that sees no key) of rows r0, r1
+// from the running max (base 2) and sum, into lse (one (batch, head)'s rows).
+__device__ __forceinline__ void store_lse(float* lse, int r0, int r1, int Lq, float m0,
+                                          float l0, float m1, float l1) {
+  if (r0 < Lq) lse[r0] = l0 > 0.f ? (m0 + log2f(l0)) * SBFLASH_LN2 : neg_inf();
+  if (r1 < Lq) lse[r1] = l1 > 0.f ? (m1 + log2f(l1)) * SBFLASH_LN2 : neg_inf();
+}
+
+// Phase 1 of a dK/dV block, after S^T and dP^T: P^T = exp2(S^T scale log2(e) - LSE log2(e))
+// and dS^T = P^T (dP^T - delta) for keys kg*16.. and NT tiles of 8 queries from (cg*NT)*8,
+// rounded to T into sP / sS (row stride SP). sL / sD: the block's LSE and delta; `full`: no
+// element of the block is masked.
+template <typename T, int SEG, int NT, int SP>
+__device__ __forceinline__ void dkdv_probs(const float (&st)[NT][4], const float (&dpt)[NT][4],
+                                           T* sP, T* sS, const float* sL, const float* sD,
+                                           int q0, int k0, int kg, int cg, float sl2, bool full,
+                                           int Lq, int Lk, int off, int W, const int* seg) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    float p[4], ds[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int kl = kg * 16 + g + (e >= 2 ? 8 : 0);
+      int ql = (cg * NT + n) * 8 + 2 * t + (e & 1);
+      bool vis = full || visible<SEG>(q0 + ql, k0 + kl, Lq, Lk, off, W, seg);
+      p[e] = vis ? exp2f(st[n][e] * sl2 - sL[ql] * SBFLASH_LOG2E) : 0.f;
+      ds[e] = p[e] * (dpt[n][e] - sD[ql]);
+    }
+    int kl = kg * 16 + g, ql = (cg * NT + n) * 8 + 2 * t;
+    *reinterpret_cast<uint32_t*>(sP + kl * SP + ql) = pack_f2<T>(p[0], p[1]);
+    *reinterpret_cast<uint32_t*>(sP + (kl + 8) * SP + ql) = pack_f2<T>(p[2], p[3]);
+    *reinterpret_cast<uint32_t*>(sS + kl * SP + ql) = pack_f2<T>(ds[0], ds[1]);
+    *reinterpret_cast<uint32_t*>(sS + (kl + 8) * SP + ql) = pack_f2<T>(ds[2], ds[3]);
+  }
+}
+
+// acc += P B for a warp's 16 rows: P the register tile s (16 x NS*8, C-fragment layout,
+// rounded to T as the A operand), B the shared tile at pb (NS*8 rows, row stride S, NC*8
+// columns).
+template <typename T, int NS, int NC, int S, int LDSM>
+__device__ __forceinline__ void mma_regs_smem(float (&acc)[NC][4], const float (&s)[NS][4],
+                                              const T* pb) {
+#pragma unroll
+  for (int j = 0; j < NS / 2; ++j) {
+    uint32_t a0 = pack_f2<T>(s[2 * j][0], s[2 * j][1]);
+    uint32_t a1 = pack_f2<T>(s[2 * j][2], s[2 * j][3]);
+    uint32_t a2 = pack_f2<T>(s[2 * j + 1][0], s[2 * j + 1][1]);
+    uint32_t a3 = pack_f2<T>(s[2 * j + 1][2], s[2 * j + 1][3]);
+#pragma unroll
+    for (int n = 0; n < NC; ++n) {
+      uint32_t b0, b1;
+      b_frag_trans<T, S, LDSM>(pb + j * 16 * S + n * 8, b0, b1);
+      mma<T>(acc[n], a0, a1, a2, a3, b0, b1);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward: one CTA of 4 warps per 64 query rows of one (batch, head) and one slice of DV output
 // columns (blockIdx.z; D = 512 splits V in two so the accumulator fits the registers).
@@ -194,69 +313,15 @@ __device__ void forward(const T* q, const T* k, const T* v, const float* scale_p
       mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
       mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
-    float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    float base0 = mn0 == neg_inf() ? 0.f : mn0, base1 = mn1 == neg_inf() ? 0.f : mn1;
-    float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
-    m0 = mn0;
-    m1 = mn1;
-    l0 *= c0;
-    l1 *= c1;
-#pragma unroll
-    for (int n = 0; n < DV / 8; ++n) {
-      acc[n][0] *= c0;
-      acc[n][1] *= c0;
-      acc[n][2] *= c1;
-      acc[n][3] *= c1;
-    }
-#pragma unroll
-    for (int n = 0; n < BK / 8; ++n) {
-      s[n][0] = exp2f(s[n][0] - base0);
-      s[n][1] = exp2f(s[n][1] - base0);
-      s[n][2] = exp2f(s[n][2] - base1);
-      s[n][3] = exp2f(s[n][3] - base1);
-      l0 += s[n][0] + s[n][1];
-      l1 += s[n][2] + s[n][3];
-    }
-
-#pragma unroll
-    for (int j = 0; j < BK / 16; ++j) {
-      uint32_t a0 = pack_f2<T>(s[2 * j][0], s[2 * j][1]);
-      uint32_t a1 = pack_f2<T>(s[2 * j][2], s[2 * j][3]);
-      uint32_t a2 = pack_f2<T>(s[2 * j + 1][0], s[2 * j + 1][1]);
-      uint32_t a3 = pack_f2<T>(s[2 * j + 1][2], s[2 * j + 1][3]);
-#pragma unroll
-      for (int n = 0; n < DV / 8; ++n) {
-        uint32_t b0, b1;
-        b_frag_trans<T, SV, LDSM>(sV + j * 16 * SV + n * 8, b0, b1);
-        mma<T>(acc[n], a0, a1, a2, a3, b0, b1);
-      }
-    }
+    online_softmax<BK / 8, DV / 8>(s, acc, m0, m1, l0, l1, quad_max(mx0), quad_max(mx1));
+    mma_regs_smem<T, BK / 8, DV / 8, SV, LDSM>(acc, s, sV);
   }
 
-  l0 += __shfl_xor_sync(0xffffffff, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffff, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffff, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
   float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  T* op = o + (size_t)bh * Lq * D + zs * DV;
-#pragma unroll
-  for (int n = 0; n < DV / 8; ++n) {
-    int c = n * 8 + 2 * t;
-    if (r0 < Lq)
-      *reinterpret_cast<uint32_t*>(op + (size_t)r0 * D + c) =
-          pack_f2<T>(acc[n][0] * inv0, acc[n][1] * inv0);
-    if (r1 < Lq)
-      *reinterpret_cast<uint32_t*>(op + (size_t)r1 * D + c) =
-          pack_f2<T>(acc[n][2] * inv1, acc[n][3] * inv1);
-  }
-  if (zs == 0 && t == 0) {
-    if (r0 < Lq) lse[(size_t)bh * Lq + r0] = l0 > 0.f ? (m0 + log2f(l0)) * SBFLASH_LN2 : neg_inf();
-    if (r1 < Lq) lse[(size_t)bh * Lq + r1] = l1 > 0.f ? (m1 + log2f(l1)) * SBFLASH_LN2 : neg_inf();
-  }
+  store_rows<T, DV / 8>(o + (size_t)bh * Lq * D + zs * DV, D, r0, r1, Lq, acc, inv0, inv1);
+  if (zs == 0 && t == 0) store_lse(lse + (size_t)bh * Lq, r0, r1, Lq, m0, l0, m1, l1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -313,7 +378,7 @@ __device__ void backward_dkdv(const T* q, const T* k, const T* v, const T* d_o, 
       load_tile<T, BQ, D, SQ, THREADS>(sO, d_o + row_base * D, q0, Lq, D);
       for (int i = threadIdx.x; i < BQ; i += THREADS) {
         bool in = q0 + i < Lq;
-        sL[i] = in ? lse[row_base + q0 + i] * SBFLASH_LOG2E : 0.f;
+        sL[i] = in ? lse[row_base + q0 + i] : 0.f;
         sD[i] = in ? delta[row_base + q0 + i] : 0.f;
       }
       __syncthreads();
@@ -339,23 +404,8 @@ __device__ void backward_dkdv(const T* q, const T* k, const T* v, const T* d_o, 
           mma<T>(dpt[n], c0, c1, c2, c3, ld32(ob_), ld32(ob_ + 8));
         }
       }
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        float p[4], ds[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int kl = kg * 16 + g + (e >= 2 ? 8 : 0);
-          int ql = (cg * NT + n) * 8 + 2 * t + (e & 1);
-          bool vis = visible<SEG>(q0 + ql, k0 + kl, Lq, Lk, off, W, segb);
-          p[e] = vis ? exp2f(st[n][e] * sl2 - sL[ql]) : 0.f;
-          ds[e] = p[e] * (dpt[n][e] - sD[ql]);
-        }
-        int kl = kg * 16 + g, ql = (cg * NT + n) * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(sP + kl * SP + ql) = pack_f2<T>(p[0], p[1]);
-        *reinterpret_cast<uint32_t*>(sP + (kl + 8) * SP + ql) = pack_f2<T>(p[2], p[3]);
-        *reinterpret_cast<uint32_t*>(sS + kl * SP + ql) = pack_f2<T>(ds[0], ds[1]);
-        *reinterpret_cast<uint32_t*>(sS + (kl + 8) * SP + ql) = pack_f2<T>(ds[2], ds[3]);
-      }
+      dkdv_probs<T, SEG, NT, SP>(st, dpt, sP, sS, sL, sD, q0, k0, kg, cg, sl2, false, Lq, Lk,
+                                 off, W, segb);
       __syncthreads();
 
       // Phase 2: dV += P^T dO, dK += dS^T Q on keys kg*16.., columns cg*CW...
@@ -379,22 +429,9 @@ __device__ void backward_dkdv(const T* q, const T* k, const T* v, const T* d_o, 
   }
 
   const int r0 = k0 + kg * 16 + g, r1 = r0 + 8;
-  T* dkp = dk + (size_t)bhk * Lk * D;
-  T* dvp = dv + (size_t)bhk * Lk * D;
-#pragma unroll
-  for (int n = 0; n < CW / 8; ++n) {
-    int c = cg * CW + n * 8 + 2 * t;
-    if (r0 < Lk) {
-      *reinterpret_cast<uint32_t*>(dkp + (size_t)r0 * D + c) =
-          pack_f2<T>(adk[n][0] * scale, adk[n][1] * scale);
-      *reinterpret_cast<uint32_t*>(dvp + (size_t)r0 * D + c) = pack_f2<T>(adv[n][0], adv[n][1]);
-    }
-    if (r1 < Lk) {
-      *reinterpret_cast<uint32_t*>(dkp + (size_t)r1 * D + c) =
-          pack_f2<T>(adk[n][2] * scale, adk[n][3] * scale);
-      *reinterpret_cast<uint32_t*>(dvp + (size_t)r1 * D + c) = pack_f2<T>(adv[n][2], adv[n][3]);
-    }
-  }
+  const size_t at = (size_t)bhk * Lk * D + cg * CW;
+  store_rows<T, CW / 8>(dk + at, D, r0, r1, Lk, adk, scale, scale);
+  store_rows<T, CW / 8>(dv + at, D, r0, r1, Lk, adv, 1.f, 1.f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -469,32 +506,10 @@ __device__ void backward_dq(const T* q, const T* k, const T* v, const T* d_o, co
         s[n][e] = p * (dp[n][e] - (e < 2 ? dl0 : dl1));  // dS
       }
     }
-#pragma unroll
-    for (int j = 0; j < BK / 16; ++j) {
-      uint32_t a0 = pack_f2<T>(s[2 * j][0], s[2 * j][1]);
-      uint32_t a1 = pack_f2<T>(s[2 * j][2], s[2 * j][3]);
-      uint32_t a2 = pack_f2<T>(s[2 * j + 1][0], s[2 * j + 1][1]);
-      uint32_t a3 = pack_f2<T>(s[2 * j + 1][2], s[2 * j + 1][3]);
-#pragma unroll
-      for (int n = 0; n < DQ / 8; ++n) {
-        uint32_t b0, b1;
-        b_frag_trans<T, SQ, LDSM>(sK + j * 16 * SQ + zs * DQ + n * 8, b0, b1);
-        mma<T>(acc[n], a0, a1, a2, a3, b0, b1);
-      }
-    }
+    mma_regs_smem<T, BK / 8, DQ / 8, SQ, LDSM>(acc, s, sK + zs * DQ);
   }
 
-  T* dqp = dq + (size_t)bh * Lq * D + zs * DQ;
-#pragma unroll
-  for (int n = 0; n < DQ / 8; ++n) {
-    int c = n * 8 + 2 * t;
-    if (r0 < Lq)
-      *reinterpret_cast<uint32_t*>(dqp + (size_t)r0 * D + c) =
-          pack_f2<T>(acc[n][0] * scale, acc[n][1] * scale);
-    if (r1 < Lq)
-      *reinterpret_cast<uint32_t*>(dqp + (size_t)r1 * D + c) =
-          pack_f2<T>(acc[n][2] * scale, acc[n][3] * scale);
-  }
+  store_rows<T, DQ / 8>(dq + (size_t)bh * Lq * D + zs * DQ, D, r0, r1, Lq, acc, scale, scale);
 }
 
 }  // namespace sbflash

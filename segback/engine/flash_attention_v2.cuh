@@ -1,5 +1,5 @@
 // Flash attention v2 kernels for segback: appended to flash_attention.cuh (uses its helpers:
-// mma, pack_f2, visible, neg_inf), selected with variant="v2".
+// mma, pack_f2, visible, neg_inf, the softmax and store steps), selected with variant="v2".
 //
 // Same algorithm and arithmetic as v1 (online softmax in base 2, LSE saved, P and dS rounded to
 // the input dtype before each product, fp32 accumulation, dQ in its own pass: deterministic),
@@ -267,10 +267,8 @@ __device__ void forward_v2(const T* q, const T* k, const T* v, const float* scal
       mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
       mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
+    mx0 = quad_max(mx0);
+    mx1 = quad_max(mx1);
     if constexpr (WN > 1) {
       if (t == 0) {
         sM[wn * BQ + wm * 16 + g] = mx0;
@@ -283,29 +281,7 @@ __device__ void forward_v2(const T* q, const T* k, const T* v, const float* scal
         mx1 = fmaxf(mx1, sM[w * BQ + wm * 16 + g + 8]);
       }
     }
-    float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    float base0 = mn0 == neg_inf() ? 0.f : mn0, base1 = mn1 == neg_inf() ? 0.f : mn1;
-    float cr0 = exp2f(m0 - base0), cr1 = exp2f(m1 - base1);
-    m0 = mn0;
-    m1 = mn1;
-    l0 *= cr0;
-    l1 *= cr1;
-#pragma unroll
-    for (int n = 0; n < NC; ++n) {
-      acc[n][0] *= cr0;
-      acc[n][1] *= cr0;
-      acc[n][2] *= cr1;
-      acc[n][3] *= cr1;
-    }
-#pragma unroll
-    for (int n = 0; n < NS; ++n) {
-      s[n][0] = exp2f(s[n][0] - base0);
-      s[n][1] = exp2f(s[n][1] - base0);
-      s[n][2] = exp2f(s[n][2] - base1);
-      s[n][3] = exp2f(s[n][3] - base1);
-      l0 += s[n][0] + s[n][1];
-      l1 += s[n][2] + s[n][3];
-    }
+    online_softmax<NS, NC>(s, acc, m0, m1, l0, l1, mx0, mx1);
     if constexpr (WN > 1) store_frag<T, NS, SP>(sP + wm * 16 * SP + wn * KW, s);
 
     cp_wait<0>();
@@ -321,10 +297,8 @@ __device__ void forward_v2(const T* q, const T* k, const T* v, const float* scal
   }
   cp_wait<0>();
 
-  l0 += __shfl_xor_sync(0xffffffff, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffff, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffff, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
   if constexpr (WN > 1) {  // each warp of a row summed its own keys (same running max)
     __syncthreads();
     if (t == 0) {
@@ -340,21 +314,8 @@ __device__ void forward_v2(const T* q, const T* k, const T* v, const float* scal
     }
   }
   float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  T* op = o + (size_t)bh * Lq * D + wn * DW;
-#pragma unroll
-  for (int n = 0; n < NC; ++n) {
-    int c = n * 8 + 2 * t;
-    if (r0 < Lq)
-      *reinterpret_cast<uint32_t*>(op + (size_t)r0 * D + c) =
-          pack_f2<T>(acc[n][0] * inv0, acc[n][1] * inv0);
-    if (r1 < Lq)
-      *reinterpret_cast<uint32_t*>(op + (size_t)r1 * D + c) =
-          pack_f2<T>(acc[n][2] * inv1, acc[n][3] * inv1);
-  }
-  if (wn == 0 && t == 0) {
-    if (r0 < Lq) lse[(size_t)bh * Lq + r0] = l0 > 0.f ? (m0 + log2f(l0)) * SBFLASH_LN2 : neg_inf();
-    if (r1 < Lq) lse[(size_t)bh * Lq + r1] = l1 > 0.f ? (m1 + log2f(l1)) * SBFLASH_LN2 : neg_inf();
-  }
+  store_rows<T, NC>(o + (size_t)bh * Lq * D + wn * DW, D, r0, r1, Lq, acc, inv0, inv1);
+  if (wn == 0 && t == 0) store_lse(lse + (size_t)bh * Lq, r0, r1, Lq, m0, l0, m1, l1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -445,18 +406,7 @@ __device__ void backward_dq_v2(const T* q, const T* k, const T* v, const T* d_o,
   }
   cp_wait<0>();
 
-  T* dqp = dq + (size_t)bh * Lq * D + wn * DW;
-  const int t = lane % 4;
-#pragma unroll
-  for (int n = 0; n < NC; ++n) {
-    int c = n * 8 + 2 * t;
-    if (r0 < Lq)
-      *reinterpret_cast<uint32_t*>(dqp + (size_t)r0 * D + c) =
-          pack_f2<T>(acc[n][0] * scale, acc[n][1] * scale);
-    if (r1 < Lq)
-      *reinterpret_cast<uint32_t*>(dqp + (size_t)r1 * D + c) =
-          pack_f2<T>(acc[n][2] * scale, acc[n][3] * scale);
-  }
+  store_rows<T, NC>(dq + (size_t)bh * Lq * D + wn * DW, D, r0, r1, Lq, acc, scale, scale);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -567,23 +517,8 @@ __device__ void backward_dkdv_v2(const T* q, const T* k, const T* v, const T* d_
     }
     const bool full = !SEG && all_visible(q0 + cg * NT * 8, NT * 8, k0 + kg * 16, 16, Lq, Lk,
                                           off, W);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      float p[4], ds[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int kl = kg * 16 + g + (e >= 2 ? 8 : 0);
-        int ql = (cg * NT + n) * 8 + 2 * t + (e & 1);
-        bool vis = full || visible<SEG>(q0 + ql, k0 + kl, Lq, Lk, off, W, segb);
-        p[e] = vis ? exp2f(st[n][e] * sl2 - sL[ql] * SBFLASH_LOG2E) : 0.f;
-        ds[e] = p[e] * (dpt[n][e] - sD[ql]);
-      }
-      int kl = kg * 16 + g, ql = (cg * NT + n) * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(sP + kl * SP + ql) = pack_f2<T>(p[0], p[1]);
-      *reinterpret_cast<uint32_t*>(sP + (kl + 8) * SP + ql) = pack_f2<T>(p[2], p[3]);
-      *reinterpret_cast<uint32_t*>(sS + kl * SP + ql) = pack_f2<T>(ds[0], ds[1]);
-      *reinterpret_cast<uint32_t*>(sS + (kl + 8) * SP + ql) = pack_f2<T>(ds[2], ds[3]);
-    }
+    dkdv_probs<T, SEG, NT, SP>(st, dpt, sP, sS, sL, sD, q0, k0, kg, cg, sl2, full, Lq, Lk, off,
+                               W, segb);
     __syncthreads();
 
     // Phase 2: dV += P^T dO, dK += dS^T Q on keys kg*16.., columns cg*CW...
@@ -608,22 +543,9 @@ __device__ void backward_dkdv_v2(const T* q, const T* k, const T* v, const T* d_
   cp_wait<0>();
 
   const int r0 = k0 + kg * 16 + g, r1 = r0 + 8;
-  T* dkp = dk + (size_t)bhk * Lk * D;
-  T* dvp = dv + (size_t)bhk * Lk * D;
-#pragma unroll
-  for (int n = 0; n < CW / 8; ++n) {
-    int c = cg * CW + n * 8 + 2 * t;
-    if (r0 < Lk) {
-      *reinterpret_cast<uint32_t*>(dkp + (size_t)r0 * D + c) =
-          pack_f2<T>(adk[n][0] * scale, adk[n][1] * scale);
-      *reinterpret_cast<uint32_t*>(dvp + (size_t)r0 * D + c) = pack_f2<T>(adv[n][0], adv[n][1]);
-    }
-    if (r1 < Lk) {
-      *reinterpret_cast<uint32_t*>(dkp + (size_t)r1 * D + c) =
-          pack_f2<T>(adk[n][2] * scale, adk[n][3] * scale);
-      *reinterpret_cast<uint32_t*>(dvp + (size_t)r1 * D + c) = pack_f2<T>(adv[n][2], adv[n][3]);
-    }
-  }
+  const size_t at = (size_t)bhk * Lk * D + cg * CW;
+  store_rows<T, CW / 8>(dk + at, D, r0, r1, Lk, adk, scale, scale);
+  store_rows<T, CW / 8>(dv + at, D, r0, r1, Lk, adv, 1.f, 1.f);
 }
 
 }  // namespace sbflash
