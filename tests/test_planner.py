@@ -1,6 +1,7 @@
 """Segment planner: valid plans for every geometry, the strategy, the schema, and calibrated
 predictions against the engine's measured peak."""
 
+import argparse
 import gc
 import json
 import sys
@@ -552,3 +553,38 @@ def test_measure_plan_is_one_flag_on_plan_train_and_bench():
     short = ["--model", "tiny-llama", "--seq", "64"]
     assert b.parse_args([*short, "--measure-plan", "0"]).measure == 0
     assert b.parse_args([*short, "--measure", "1"]).measure == 1
+
+
+def test_offloading_plans_park_no_more_than_the_host_memory_given(tmp_path):
+    """Llama-3.1-8B at 512K tokens parks a 4 GB boundary per segment: with a host bound the
+    planner takes fewer segments (parking less) within the device target, and says so; a
+    bound no plan can meet gives the plan parking least, said not to meet its target."""
+    from segback.planner.host import available_host_gb, host_budget_gb
+    from segback.planner.search import MARGIN
+
+    def plan(host):
+        return plan_segments("llama-3.1-8b", 524288, target_gb=72, tile=4096, offload=True,
+                             quant_bits=4, dtype="bfloat16", host_gb=host)
+
+    free = plan(None)
+    bounded = plan(0.5 * free.predicted_host_gb)
+    assert free.meets_target and bounded.meets_target
+    assert bounded.predicted_host_gb <= 0.5 * free.predicted_host_gb
+    assert len(bounded.segments) < len(free.segments)
+    assert "parking at most" in bounded.message
+    assert bounded.predicted_peak_gb <= 72 * (1 - MARGIN)
+    tight = plan(1.0)
+    assert not tight.meets_target and "host memory" in tight.message
+    assert len(tight.segments) == 1  # one boundary parked: the least any plan parks
+    assert host_budget_gb(None) is None and host_budget_gb(12) == 12.0
+    found = available_host_gb()
+    assert found is not None and host_budget_gb("auto") == pytest.approx(0.85 * found, rel=0.05)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8388608 kB\n")
+    assert available_host_gb(meminfo) == 8.0
+    from segback.planner.cli import host_gb
+
+    assert host_gb("auto") == "auto" and host_gb("None") is None and host_gb("96") == 96.0
+    for bad in ("-1", "0", "nan", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError, match="GB > 0"):
+            host_gb(bad)

@@ -11,12 +11,27 @@ from segback.engine.options import AUTO, OptionsError
 from segback.engine.plan_file import PlanError
 from segback.io import atomic_write_json
 from segback.planner.geometry import DTYPES
+from segback.planner.host import HOST_FRACTION
 from segback.planner.measure import parse_measure
 from segback.planner.plan import describe, plan_segments
 from segback.planner.space import SEARCHED, SearchSpace
 
 # A predicted peak past this is no plan for any machine: said, not silently written.
 ABSURD_GB = 1 << 16
+
+
+def host_gb(value: str) -> float | str | None:
+    """--host-gb: GB, auto or none."""
+    low = value.strip().lower()
+    if low in ("auto", "none"):
+        return None if low == "none" else low
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = math.nan
+    if not (math.isfinite(gb) and gb > 0):
+        raise argparse.ArgumentTypeError(f"a number of GB > 0, auto or none, not {value!r}")
+    return gb
 
 
 def number_problem(args: argparse.Namespace) -> str | None:
@@ -50,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence length L")
     parser.add_argument("--batch", "--batch-size", dest="batch", type=int, default=1)
     parser.add_argument("--target-gb", type=float, default=None, help="peak memory target")
+    parser.add_argument("--host-gb", type=host_gb, default="auto",
+                        help="host memory an offloading plan may park (GB); auto (default): "
+                        f"{HOST_FRACTION:.0%} of what is available now; none: no bound")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="max step time relative to a plain forward+backward (e.g. 1.5)")
     parser.add_argument("--calibrate", action="store_true",
@@ -110,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
                              args.calibrate, args.lora_rank, args.lora_layers, args.dtype,
                              quant_bits=args.quant_bits, space=space, options=runtime,
                              measure=args.measure, context_parallel=args.context_parallel,
-                             context_order=args.context_order)
+                             context_order=args.context_order,
+                             host_gb=args.host_gb)
     except (ValueError, FileNotFoundError, OptionsError, PlanError) as e:  # no traceback
         print(f"segback plan: error: {e}", file=sys.stderr)
         return 2

@@ -22,8 +22,9 @@ from segback.planner.context import RingCostModel
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
 from segback.planner.measure import MEASURE_BUDGET, MEASURE_STEPS, measure_count, measured_pick
-from segback.planner.search import (best_by_count, choose, engine_label, most_kept, pick,
-                                    tile_configs, within)
+from segback.planner.host import host_budget_gb
+from segback.planner.search import (best_by_count, choose, engine_label, most_kept,
+                                    parked_bytes, pick, tile_configs, within)
 from segback.planner.space import SearchSpace
 
 
@@ -52,6 +53,7 @@ def plan_segments(
     measure_budget: float = MEASURE_BUDGET,
     context_parallel: int = 1,
     context_order: str = "zigzag",
+    host_gb: float | str | None = AUTO,
 ) -> Plan:
     """Plan the segments of a segmented backward and the engine options that run them.
 
@@ -85,6 +87,9 @@ def plan_segments(
     (`context_order`) with ring attention (`segback.planner.context`): the plan's peak is a
     rank's, and its `context` says what each rank sends; it is not timed (`measure`) nor
     calibrated, which would need the ring.
+    `host_gb` bounds what an offloading plan parks in host memory (GB; "auto", the default:
+    `host.HOST_FRACTION` of the memory available now; None: no bound): plans that would park
+    more are not weighed or timed.
     """
     if seq_len < 2:
         raise ValueError("seq_len must be at least 2")
@@ -100,6 +105,7 @@ def plan_segments(
     else:
         shard = seq_len
     measure = measure_count(measure, target_gb)
+    host_limit = host_budget_gb(host_gb)
     runtime = options or EngineOptions()
     if space is None:
         space = SearchSpace.from_dict(dict(
@@ -146,7 +152,8 @@ def plan_segments(
             RingCostModel(geom, seq_len, context_parallel, context_order, batch_size, att,
                           coef, t, off, space.light_tile if t else None, **kw)
         if given is None:
-            options.append((cost, *choose(cost, target_gb, time_budget)))
+            options.append((cost, *choose(cost, target_gb, time_budget, host_limit,
+                                          space.boundaries_on_device)))
             continue
         segs = segments_of(given, geom.num_layers)
         peak = cost.evaluate(segs)["peak"]
@@ -175,7 +182,8 @@ def plan_segments(
     for cost, *_ in options:
         for segs in best_by_count(cost).values():
             peak = cost.evaluate(segs)["peak"]
-            if within(peak, target_gb):
+            parked = parked_bytes(cost, segs, target_gb, space.boundaries_on_device)
+            if within(peak, target_gb) and (host_limit is None or parked <= host_limit * GB):
                 candidates.append((cost.relative_step_time(segs), peak, cost, segs))
     if not candidates:  # nothing is predicted to fit: measure the planner's own choice
         return finish(*best)

@@ -82,14 +82,48 @@ def best_by_count(cost: CostModel) -> dict[int, list[tuple[int, int]]]:
     return {j: plan for j, (_, plan) in best.items()}
 
 
+def parked_bytes(cost: CostModel, segments: list[tuple[int, int]], target_gb: float | None,
+                 boundaries_on_device: int | str = AUTO) -> float:
+    """Host bytes of a plan with the boundaries it keeps on the device (AUTO: as many as the
+    target leaves room for, as `plan._plan` keeps them); `cost` is left as it was."""
+    if not cost.offload:
+        return cost.host_bytes(len(segments))
+    saved = cost.boundaries_on_device
+    if boundaries_on_device != AUTO:
+        cost.boundaries_on_device = int(boundaries_on_device)
+    elif target_gb is not None and within(cost.evaluate(segments)["peak"], target_gb):
+        most_kept(cost, segments, target_gb)
+    else:
+        cost.boundaries_on_device = 0
+    host = cost.host_bytes(len(segments))
+    cost.boundaries_on_device = saved
+    return host
+
+
 def choose(
-    cost: CostModel, target_gb: float | None, time_budget: float | None
+    cost: CostModel, target_gb: float | None, time_budget: float | None,
+    host_gb: float | None = None, boundaries_on_device: int | str = AUTO,
 ) -> tuple[list[tuple[int, int]], bool, bool, str]:
     """(segments, meets_target, meets_time_budget, message) under the strategy of the brief:
     the fastest plan whose peak meets the target, else the minimum-peak plan (ties go to the
     faster). Untiled, fewer segments are faster; tiled, more are (a segment of k layers
-    recomputes k - 1 layer inputs in its backward)."""
+    recomputes k - 1 layer inputs in its backward). With `host_gb`, only plans whose parked
+    boundaries fit it are weighed (fewer segments park fewer); if none does, the one parking
+    least, said not to meet its target."""
     plans = best_by_count(cost)
+    among = ""
+    if host_gb is not None and cost.offload:
+        host = {j: parked_bytes(cost, p, target_gb, boundaries_on_device)
+                for j, p in plans.items()}
+        fits = {j: p for j, p in plans.items() if host[j] <= host_gb * GB}
+        if not fits:
+            j = min(host, key=lambda j: (host[j], j))
+            return plans[j], False, True, (
+                f"no plan of this configuration fits {host_gb:.1f} GB of host memory: the "
+                f"least, {j} segments, parks {host[j] / GB:.1f} GB")
+        if len(fits) < len(plans):
+            among = f" (among the plans parking at most {host_gb:.1f} GB in host memory)"
+        plans = fits
     peaks = {j: cost.evaluate(p)["peak"] for j, p in plans.items()}
     times = {j: cost.relative_step_time(p) for j, p in plans.items()}
     in_time = [j for j in plans if time_budget is None or times[j] <= time_budget]
@@ -108,16 +142,16 @@ def choose(
     j_min = fastest(near_floor)
     if target_gb is None:
         return plans[j_min], True, meets_time, (
-            f"minimum-peak plan: {j_min} segments, {peaks[j_min] / GB:.2f} GB")
+            f"minimum-peak plan: {j_min} segments, {peaks[j_min] / GB:.2f} GB{among}")
     ok = [j for j in in_time if within(peaks[j], target_gb)]
     if ok:
         j = fastest(ok)
         return plans[j], True, meets_time, (
-            f"{j} segments meet the {target_gb:g} GB target at {peaks[j] / GB:.2f} GB")
+            f"{j} segments meet the {target_gb:g} GB target at {peaks[j] / GB:.2f} GB{among}")
     what = " within the time budget" if time_budget is not None else ""
     return plans[j_min], False, meets_time, (
         f"target {target_gb:g} GB cannot be met{what}: the smallest achievable peak is "
-        f"{peaks[j_min] / GB:.2f} GB ({j_min} segments); returning that plan")
+        f"{peaks[j_min] / GB:.2f} GB ({j_min} segments){among}; returning that plan")
 
 
 def most_kept(cost: CostModel, segments: list[tuple[int, int]], target_gb: float) -> int:
