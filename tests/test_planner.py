@@ -492,22 +492,31 @@ def test_real_family_plans_read_their_geometry_without_weights(name, heads, kv_h
 def test_timing_candidates_stays_within_three_of_the_picks_predicted_steps(capsys):
     """--measure N is bounded by the budget: the candidates' warm-up and timed steps together
     take at most MEASURE_BUDGET predicted steps of the cost model's pick (one candidate at the
-    default, as the next would make four), or none, with a note, when one would not fit."""
-    from segback.planner.measure import MEASURE_BUDGET, MEASURE_STEPS
+    default, as the next would make four), or none, with a note, when one would not fit or
+    when that one alone is predicted so far under the target that timing it decides nothing."""
+    from segback.planner.measure import MEASURE_BUDGET, MEASURE_STEPS, PREDICTION_DOUBT
+    from segback.planner.search import MARGIN
 
-    pick = plan_segments("tiny-llama", 64, target_gb=1.0, measure=0, dtype="float32")
+    roomy = plan_segments("tiny-llama", 64, target_gb=1.0, measure=0, dtype="float32")
+    # a target the pick's prediction meets with less than the model's error to spare
+    target = roomy.predicted_peak_gb * (1 + PREDICTION_DOUBT / 2) / (1 - MARGIN)
+    pick = plan_segments("tiny-llama", 64, target_gb=target, measure=0, dtype="float32")
     budget = MEASURE_BUDGET * pick.predicted_relative_step_time
-    plan = plan_segments("tiny-llama", 64, target_gb=1.0, measure=10)
+    plan = plan_segments("tiny-llama", 64, target_gb=target, measure=10)
     recs = plan.inputs["measured"]
     assert len(recs) == 1 and recs[0]["segments"] == len(pick.segments)
     assert sum(MEASURE_STEPS * r["relative_time"] for r in recs) <= budget
     assert "past its budget" in capsys.readouterr().out
     assert len(plan_segments("tiny-llama", 64, target_gb=1.0, measure=10,
                              measure_budget=100).inputs["measured"]) == 4  # every cut
-    skipped = plan_segments("tiny-llama", 64, target_gb=1.0, measure=3, measure_budget=1.5)
+    skipped = plan_segments("tiny-llama", 64, target_gb=target, measure=3, measure_budget=1.5)
     assert "measured" not in skipped.inputs and skipped.segments == pick.segments
     assert "not timing candidates" in skipped.message
     assert "not timing candidates" in capsys.readouterr().out
+    # the same budget with a target far above the prediction: nothing to decide, none timed
+    sure = plan_segments("tiny-llama", 64, target_gb=1.0, measure=10)
+    assert "measured" not in sure.inputs and sure.segments == roomy.segments
+    assert "to spare under the 1 GB target" in sure.message
 
 
 def test_a_plan_measured_over_its_target_is_not_chosen():

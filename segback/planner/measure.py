@@ -29,7 +29,7 @@ from segback.engine.plan_file import Plan
 from segback.engine.stack import get_stack
 from segback.planner.calibrate import attach_lora
 from segback.planner.geometry import GB
-from segback.planner.search import engine_label, within
+from segback.planner.search import MARGIN, engine_label, within
 
 
 # Candidates `measure="auto"` times: on a GPU with a memory target, where the cost model's
@@ -40,6 +40,25 @@ AUTO_MEASURE = 3
 MEASURE_STEPS = 2
 # Steps of the cost model's pick that timing all candidates may take together.
 MEASURE_BUDGET = 3.0
+# The cost model's largest under-prediction of a measured peak on CUDA (bench/RESULTS.md:
+# -19.4%, untiled Llama-8B on MLX's kernel): a plan predicted this far under its target fits.
+PREDICTION_DOUBT = 0.20
+
+
+def timing_decides(times: Sequence[float], peaks_gb: Sequence[float], target_gb: float | None,
+                   budget: float) -> str | None:
+    """None if timing the candidates (fastest predicted first: relative step times and
+    predicted peaks) can change the pick; else why not: the first alone fits the budget and
+    its predicted peak leaves the model's largest error to spare under the target, so timing
+    it would only confirm it (a long sequence's step can take minutes)."""
+    if len(times) > 1 and MEASURE_STEPS * (times[0] + times[1]) <= budget:
+        return None
+    if target_gb is None or peaks_gb[0] * (1 + PREDICTION_DOUBT) > target_gb * (1 - MARGIN):
+        return None
+    return (f"not timing candidates: only the first fits the timing budget, and its "
+            f"predicted {peaks_gb[0]:.2f} GB leaves "
+            f"{PREDICTION_DOUBT:.0%} (the cost model's largest recorded error) to spare under "
+            f"the {target_gb:g} GB target")
 
 
 class _Spent(Exception):

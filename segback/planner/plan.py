@@ -21,7 +21,8 @@ from segback.planner.calibrate import CALIBRATION_LENGTHS, fit_coefficients
 from segback.planner.context import RingCostModel
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
-from segback.planner.measure import MEASURE_BUDGET, MEASURE_STEPS, measure_count, measured_pick
+from segback.planner.measure import (MEASURE_BUDGET, MEASURE_STEPS, measure_count,
+                                     measured_pick, timing_decides)
 from segback.planner.host import host_budget_gb
 from segback.planner.search import (best_by_count, choose, engine_label, most_kept,
                                     parked_bytes, pick, tile_configs, within)
@@ -189,9 +190,12 @@ def plan_segments(
         return finish(*best)
     candidates.sort(key=lambda c: (c[0], c[1]))
     budget = measure_budget * best[0].relative_step_time(best[1])
+    note = timing_decides([c[0] for c in candidates], [c[1] / GB for c in candidates],
+                          target_gb, budget)
     if MEASURE_STEPS * candidates[0][0] > budget:
         note = (f"not timing candidates: one takes {MEASURE_STEPS} steps, more than the "
                 f"budget of {measure_budget:g} of the pick's predicted steps")
+    if note:
         print(f"segback plan: {note}", flush=True)
         cost, segs, ok, in_time, message = best
         return finish(cost, segs, ok, in_time, f"{message} ({note})")
