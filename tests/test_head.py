@@ -187,3 +187,51 @@ def test_fused_head_keeps_bfloat16_gradients():
     assert abs(float(loss) - float(l0)) <= 4 * 2.0**-8 * abs(float(l0))
     err = float(mx.linalg.norm((dh - d0).astype(mx.float32)))
     assert err <= 4 * 2.0**-8 * float(mx.linalg.norm(d0.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-e4b"])  # an lm_head; a tied embedding
+def test_a_quantized_head_runs_dense_by_blocks_as_exactly(name, monkeypatch):
+    """With dequantized matmuls (what training runs for a quantized model), a 4-bit LM head runs
+    as dense matmuls over blocks of its vocabulary rows, each block dequantized for its product:
+    loss and dh equal the quantized kernel's head within float32 rounding of a sum over the
+    vocabulary and the hidden size, whatever the block. Chunks shorter than the dense threshold
+    keep the quantized kernel."""
+    from segback.engine.head import DENSE_BLOCK_ELEMENTS, dense_head
+    from segback.models.dequant_linear import use_dequantized_matmul
+
+    model = lora_model(name, quantize_bits=4)
+    V, D = model.args.vocab_size, model.args.hidden_size
+    batch, _ = batch_of(V, B=1, T=600)
+    lengths = np.array([[0, 600]])
+    h = hidden(model, *batch.shape)
+    head = get_stack(model).head
+    assert dense_head(head.module, 512, mx.float32) is None  # unmarked: its own kernel
+    quantized = run_head(model, h, batch, lengths, True, V * 300)
+
+    use_dequantized_matmul(model, min_tokens=256)
+    head = get_stack(model).head
+    assert dense_head(head.module, 255, mx.float32) is None  # a chunk under the threshold
+    whole = dense_head(head.module, 300, mx.float32)
+    assert whole.blocks == ((0, V),)  # a tiny vocabulary is one block by default
+    blocked = dense_head(head.module, 300, mx.float32, block_elements=D * 100)
+    assert blocked.blocks[0] == (0, 100) and blocked.blocks[-1][1] == V
+    assert len(blocked.blocks) == -(-V // 100) and DENSE_BLOCK_ELEMENTS // D >= 100
+    real = head_module.dense_head
+    seen = []
+
+    def small_blocks(module, tokens, dtype):
+        seen.append(real(module, tokens, dtype, block_elements=D * 100))
+        return seen[-1]
+    monkeypatch.setattr(head_module, "dense_head", small_blocks)
+    rtol = 4 * math.sqrt(V + D) * EPS32
+    norm = float(mx.linalg.norm(quantized[2]))
+    dense = run_head(model, h, batch, lengths, True, V * 300)
+    assert len(seen) == 1 and len(seen[0].blocks) > 1
+    assert abs(float(dense[0]) - float(quantized[0])) <= rtol * abs(float(quantized[0]))
+    assert float(mx.linalg.norm(dense[2] - quantized[2])) <= rtol * norm
+    # the blocks' dequantized rows are the whole weight's
+    w = mx.concatenate([blocked._weight(a, b) for a, b in blocked.blocks])
+    m = head.module
+    full = mx.dequantize(m["weight"], m["scales"], m["biases"], group_size=m.group_size,
+                         bits=m.bits)
+    assert mx.array_equal(w, full)
