@@ -13,7 +13,6 @@ alone, instead of autodiff's chain of [chunk, vocab] temporaries.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import mlx.core as mx
@@ -32,54 +31,6 @@ def loss_mask(lengths: np.ndarray | Packed, T: int) -> np.ndarray:
         return lengths.targets
     steps = np.arange(1, T)[None, :]
     return (steps >= lengths[:, 0:1]) & (steps <= lengths[:, 1:2])
-
-
-# Elements of one block of a dense LM head weight (dequantized rows of the vocabulary): 32 MB
-# in bfloat16, whatever the vocabulary, so a quantized head runs dense in bounded memory.
-DENSE_BLOCK_ELEMENTS = 1 << 24
-
-
-@dataclass(frozen=True)
-class DenseHead:
-    """A quantized LM head run as dense matmuls over blocks of its vocabulary rows: each block
-    dequantized for its matmul and dropped (the quantized kernel reaches a small share of the
-    dense rate; the whole weight in `dtype` would be 1-1.3 GB for an 8B model or e4b)."""
-
-    module: nn.Module
-    dtype: mx.Dtype
-    blocks: tuple[tuple[int, int], ...]
-
-    def _weight(self, a: int, b: int) -> mx.array:
-        m = self.module
-        w = mx.dequantize(m["weight"][a:b], m["scales"][a:b], m["biases"][a:b],
-                          group_size=m.group_size, bits=m.bits, mode=m.mode)
-        return w.astype(self.dtype)
-
-    def logits(self, x: mx.array) -> mx.array:
-        return mx.concatenate([x @ self._weight(a, b).T for a, b in self.blocks], axis=-1)
-
-    def input_grad(self, dz: mx.array) -> mx.array:
-        out = None
-        for a, b in self.blocks:
-            part = dz[:, a:b] @ self._weight(a, b)
-            out = part if out is None else out + part
-        return out
-
-
-def dense_head(module: nn.Module | None, tokens: int, dtype: mx.Dtype,
-               block_elements: int = DENSE_BLOCK_ELEMENTS) -> DenseHead | None:
-    """The quantized LM head (linear or tied embedding) that
-    `segback.models.dequant_linear.use_dequantized_matmul` marked for dense matmuls (its
-    `dense_min_tokens`), for chunks of `tokens` rows at or past that threshold; None where the
-    head's own call is to run (unmarked, short chunks, a bias, a mode without biases)."""
-    if (module is None or tokens < getattr(module, "dense_min_tokens", tokens + 1)
-            or "bias" in module or module.get("biases") is None):
-        return None
-    vocab = module["weight"].shape[0]
-    hidden = module["scales"].shape[-1] * module.group_size
-    rows = max(1, min(vocab, block_elements // hidden))
-    return DenseHead(module, dtype, tuple((a, min(a + rows, vocab))
-                                          for a in range(0, vocab, rows)))
 
 
 def chunk_rows(n_rows: int, vocab: int, max_elements: int = DEFAULT_MAX_ELEMENTS
@@ -118,21 +69,17 @@ def _capped_ce_dlogits(z: mx.array, t: mx.array, cols: mx.array, cot: mx.array, 
     return loss, (g * cot).astype(dtype)
 
 
-def fused_chunk(head: Head, x: mx.array, t: mx.array, cot: mx.array,
-                dense: DenseHead | None = None) -> tuple[mx.array, mx.array]:
-    """Summed cross-entropy of `head(x)` at targets `t`, and its gradient (times `cot`) in x.
-    With `dense`, the LM head's linear runs as its dense blocks."""
+def fused_chunk(head: Head, x: mx.array, t: mx.array, cot: mx.array
+                ) -> tuple[mx.array, mx.array]:
+    """Summed cross-entropy of `head(x)` at targets `t`, and its gradient (times `cot`) in x."""
     xn = head.norm(x)
-    z = head.linear(xn) if dense is None else dense.logits(xn)
+    z = head.linear(xn)
     cols = mx.arange(z.shape[-1], dtype=t.dtype)
     if head.softcap is None:
         part, dz = _ce_dlogits(z, t, cols, cot)
     else:
         part, dz = _capped_ce_dlogits(z, t, cols, cot, mx.array(head.softcap, mx.float32))
-    if dense is None:
-        _, (dxn,) = mx.vjp(head.linear, [xn], [dz])
-    else:
-        dxn = dense.input_grad(dz)
+    _, (dxn,) = mx.vjp(head.linear, [xn], [dz])
     _, (dx,) = mx.vjp(head.norm, [x], [dxn])
     return part, dx
 
@@ -172,16 +119,12 @@ def head_vjp(
     cot = mx.array(1.0 / max(int(rows.size), 1), mx.float32)
     use_fused = fused and isinstance(head, Head) and not params
     start = int(rows[0]) if contiguous(rows) else None
-    chunks = chunk_rows(int(rows.size), vocab, max_elements)
-    # a quantized LM head runs dense, a block of its weight at a time
-    dense = dense_head(head.module, chunks[0][1] - chunks[0][0], h_final.dtype) \
-        if use_fused and chunks else None
 
-    for s, e in chunks:
+    for s, e in chunk_rows(int(rows.size), vocab, max_elements):
         idx = slice(start + s, start + e) if start is not None else mx.array(rows[s:e])
         t = targets[idx]
         if use_fused:
-            part, dx = fused_chunk(head, flat_h[idx], t, cot, dense)
+            part, dx = fused_chunk(head, flat_h[idx], t, cot)
             dp = []
         else:
             def chunk_loss(x, *leaves):

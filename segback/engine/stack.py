@@ -66,9 +66,6 @@ class Head:
     norm: Callable[[mx.array], mx.array]
     linear: Callable[[mx.array], mx.array]  # normed rows -> logits before the softcap
     softcap: float | None = None
-    # the module `linear` is (an lm_head, or the tied embedding whose `as_linear` it is), where
-    # `linear` is exactly x @ module's weight.T: the loss head may run it on the weight itself
-    module: nn.Module | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         out = self.linear(self.norm(x))
@@ -178,11 +175,10 @@ def _text_model(model: nn.Module) -> tuple[nn.Module, str]:
     return model, ""
 
 
-def _lm_head(outer: nn.Module, inner: nn.Module, tied: bool, norm: Callable,
-             softcap: float | None = None) -> Head:
-    module = inner.embed_tokens if tied or not hasattr(outer, "lm_head") else outer.lm_head
-    linear = module.as_linear if module is inner.embed_tokens else module
-    return Head(norm, linear, softcap, module)
+def _lm_head(outer: nn.Module, inner: nn.Module, tied: bool) -> Callable[[mx.array], mx.array]:
+    if tied or not hasattr(outer, "lm_head"):
+        return inner.embed_tokens.as_linear
+    return outer.lm_head
 
 
 def get_stack(model: nn.Module) -> Stack:
@@ -213,11 +209,10 @@ def get_stack(model: nn.Module) -> Stack:
                 if tied:
                     return x @ inner.embed_tokens.weight.T
                 return outer.lm_head(x / (args.hidden_size / args.dim_model_base))
-            head = Head(inner.norm, lm)
         else:
-            head = _lm_head(outer, inner, tied, inner.norm)
+            lm = _lm_head(outer, inner, tied)
 
-        return Stack(model_type, layers, path, embed, head, types,
+        return Stack(model_type, layers, path, embed, Head(inner.norm, lm), types,
                      window=getattr(args, "sliding_window", None), kv_source=list(range(n)))
 
     if model_type == "gemma3_text":
@@ -225,18 +220,17 @@ def get_stack(model: nn.Module) -> Stack:
         types = ["full_attention" if i % pattern == pattern - 1 else "sliding_attention"
                  for i in range(n)]
         tied = getattr(outer, "tie_word_embeddings", False) or not hasattr(outer, "lm_head")
-        head = _lm_head(outer, inner, tied, inner.norm)
+        lm = _lm_head(outer, inner, tied)
 
         def embed(ids):
             h = inner.embed_tokens(ids)
             return h * mx.array(args.hidden_size**0.5, mx.bfloat16).astype(h.dtype), None
 
-        return Stack(model_type, layers, path, embed, head, types,
+        return Stack(model_type, layers, path, embed, Head(inner.norm, lm), types,
                      window=args.sliding_window, kv_source=list(range(n)))
 
     # gemma4_text (and the gemma4 wrapper): per-layer inputs, KV sharing, logit softcap.
-    head = _lm_head(outer, inner, outer.tie_word_embeddings, inner.norm,
-                    outer.final_logit_softcapping)
+    lm = _lm_head(outer, inner, outer.tie_word_embeddings)
 
     def embed(ids):
         emb = inner.embed_tokens(ids)
@@ -252,6 +246,7 @@ def get_stack(model: nn.Module) -> Stack:
         h, kv, _ = layer(h, mask, cache, per_layer_input=pli, shared_kv=shared, offset=offset)
         return h, kv
 
+    head = Head(inner.norm, lm, outer.final_logit_softcapping)
     return Stack(model_type, layers, path, embed, head, list(args.layer_types),
                  window=args.sliding_window, kv_source=list(inner.previous_kvs),
                  call_layer=call_layer)

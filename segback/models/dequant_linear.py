@@ -57,17 +57,11 @@ def _dense_class(base: type) -> type:
 
 
 def use_dequantized_matmul(model: nn.Module, min_tokens: int = MIN_TOKENS) -> int:
-    """Swap every `nn.QuantizedLinear` of `model` in place; return how many were swapped.
-    Quantized embeddings are marked too: a quantized LM head, tied (`as_linear`) or not, is
-    then dequantized once per loss head (`segback.engine.head.dense_weight`), where its
-    quantized kernel would run every chunk."""
+    """Swap every `nn.QuantizedLinear` of `model` in place; return how many were swapped."""
     n = 0
     for _, m in model.named_modules():
-        if isinstance(m, nn.QuantizedEmbedding) and not hasattr(m, "dense_min_tokens"):
-            m.dense_min_tokens = min_tokens
         if isinstance(m, nn.QuantizedLinear) and not hasattr(m, "dense_min_tokens"):
             m.__class__ = _dense_class(type(m))
             m.dense_min_tokens = min_tokens
             n += 1
     return n
-

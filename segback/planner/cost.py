@@ -31,10 +31,8 @@ import numpy as np
 
 from segback.engine.attention import fast_kernel_for, fused_routed
 from segback.engine.chunked import default_chunk_size
-from segback.engine.head import DENSE_BLOCK_ELEMENTS
 from segback.engine.offload import MAX_PENDING
 from segback.engine.options import DEFAULT_HEAD_CHUNK as HEAD_MAX_ELEMENTS, table_on_host
-from segback.models.dequant_linear import MIN_TOKENS
 from segback.planner.geometry import Geometry, LayerGeom
 
 # Fused attention (mx.fast.scaled_dot_product_attention under grad tracing runs MLX's composed
@@ -310,16 +308,11 @@ class CostModel:
         return S
 
     def head_bytes(self) -> float:
-        """Transient of the chunked loss head: one chunk of logits, dh and its update copy; a
-        quantized LM head run dense (as training runs a quantized model) adds the logits'
-        blocks before they are joined and two dequantized blocks of its weight."""
+        """Transient of the chunked loss head: one chunk of logits, dh and its update copy."""
         g = self.g
         rows = max(1, min(self.B * (self.L - 1), HEAD_MAX_ELEMENTS // g.vocab))
         copies = HEAD_COPIES + (SOFTCAP_COPIES if g.softcap else 0.0)
-        dense = g.head_quantized and rows >= MIN_TOKENS
-        blocks = (rows * g.vocab + 2 * min(DENSE_BLOCK_ELEMENTS, g.vocab * g.hidden)) \
-            * g.dtype_bytes if dense else 0
-        return copies * rows * g.vocab * g.dtype_bytes + 2 * self.hidden_bytes + blocks
+        return copies * rows * g.vocab * g.dtype_bytes + 2 * self.hidden_bytes
 
     def embed_bytes(self) -> float:
         """Prologue transient: the per-layer inputs are built through ~3 full-size temporaries

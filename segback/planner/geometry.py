@@ -63,7 +63,6 @@ class Geometry:
     lora_params: int
     quant_bits: list[int] = field(default_factory=list)
     table_bytes: int = 0  # of weight_bytes: the per-layer embedding table offload parks
-    head_quantized: bool = False  # the LM head (lm_head or tied embedding) is quantized
 
     @property
     def num_layers(self) -> int:
@@ -237,19 +236,7 @@ def read_geometry(
         lora_params=lora_total,
         quant_bits=sorted(set(bits_seen)),
         table_bytes=table_bytes(model),
-        head_quantized=_head_quantized(outer),
     )
-
-
-def _head_quantized(outer: nn.Module) -> bool:
-    """Whether the LM head multiplies by a quantized weight (the loss head then dequantizes it:
-    `segback.engine.head.dense_weight`)."""
-    tied = getattr(outer, "tie_word_embeddings", getattr(outer.args, "tie_word_embeddings",
-                                                         False))
-    module = getattr(outer, "lm_head", None)
-    if tied or module is None:
-        module = outer.model.embed_tokens
-    return isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
 
 
 def lazy_model(config: dict, dtype: mx.Dtype = mx.bfloat16, quant_bits: int | None = None,
