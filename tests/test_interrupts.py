@@ -22,7 +22,8 @@ import pytest
 from test_train import chat_rows, small_cfg, tiny_run, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
-ITERS = 16  # about 0.1 s a step: the signal comes after step 3, long before the end
+ITERS = 64  # 0.05-0.1 s a step: the signal comes after step 3, seconds before the end even
+# when the test's own process waits for a core (16 steps ended first once, in CI)
 
 
 def _default_sigint() -> None:

@@ -79,7 +79,9 @@ def plan_segments(
     within it) on the real model, a warm-up and a timed step each, and returns the fastest
     measured within the target (`segback.planner.measure`); the records are in the plan's
     `inputs.measured`.
-    `measure="auto"` times a few on a GPU when there is a target, none otherwise. Timing stops
+    `measure="auto"` times a few on a GPU when there is a target, none otherwise, and none
+    when only the first fits the budget with the model's largest error to spare under the
+    target (`measure.timing_decides`). Timing stops
     at `measure_budget` of the cost model's pick's predicted steps (skipped, with a note, when
     one candidate's warm-up and timed step would not fit); a measured plan over the target is
     not chosen: if none fits, the fastest untimed one whose prediction, scaled by the measured
@@ -105,6 +107,7 @@ def plan_segments(
         shard = shard_positions(seq_len, context_parallel, context_order).padded
     else:
         shard = seq_len
+    auto_measure = measure == AUTO  # then the planner may also decide timing decides nothing
     measure = measure_count(measure, target_gb)
     host_limit = host_budget_gb(host_gb)
     runtime = options or EngineOptions()
@@ -191,7 +194,7 @@ def plan_segments(
     candidates.sort(key=lambda c: (c[0], c[1]))
     budget = measure_budget * best[0].relative_step_time(best[1])
     note = timing_decides([c[0] for c in candidates], [c[1] / GB for c in candidates],
-                          target_gb, budget)
+                          target_gb, budget) if auto_measure else None
     if MEASURE_STEPS * candidates[0][0] > budget:
         note = (f"not timing candidates: one takes {MEASURE_STEPS} steps, more than the "
                 f"budget of {measure_budget:g} of the pick's predicted steps")
