@@ -541,17 +541,17 @@ def test_auto_timing_skips_a_lone_candidate_far_under_its_target():
     (h100-run27) timed one such plan for 341 s. Two affordable candidates, or a target within
     that error, are timed; an explicit N always is (the tests above)."""
     from segback.planner.measure import MEASURE_BUDGET, MEASURE_STEPS, PREDICTION_DOUBT
-    from segback.planner.measure import timing_decides
+    from segback.planner.measure import why_not_timed
     from segback.planner.search import MARGIN
 
     budget = MEASURE_BUDGET * 1.6039  # the 128K plan's relative step time, as recorded
-    note = timing_decides([1.6039, 1.62], [45.94, 45.0], 72.0, budget)
+    note = why_not_timed([1.6039, 1.62], [45.94, 45.0], 72.0, budget)
     assert note and "45.94 GB" in note and "72 GB" in note
     tight = 45.94 * (1 + PREDICTION_DOUBT) / (1 - MARGIN)
-    assert timing_decides([1.6039, 1.62], [45.94, 45.0], tight * 0.99, budget) is None
-    assert timing_decides([1.6039, 1.62], [45.94, 45.0], tight * 1.01, budget)
-    assert timing_decides([1.0, 1.0], [45.94, 45.0], 72.0, MEASURE_STEPS * 2.0) is None
-    assert timing_decides([1.6039], [45.94], None, budget) is None  # no target: no doubt
+    assert why_not_timed([1.6039, 1.62], [45.94, 45.0], tight * 0.99, budget) is None
+    assert why_not_timed([1.6039, 1.62], [45.94, 45.0], tight * 1.01, budget)
+    assert why_not_timed([1.0, 1.0], [45.94, 45.0], 72.0, MEASURE_STEPS * 2.0) is None
+    assert why_not_timed([1.6039], [45.94], None, budget) is None  # no target: no doubt
 
 
 def test_a_plan_measured_over_its_target_is_not_chosen():

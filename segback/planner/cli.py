@@ -23,8 +23,8 @@ ABSURD_GB = 1 << 16
 def host_gb(value: str) -> float | str | None:
     """--host-gb: GB, auto or none."""
     low = value.strip().lower()
-    if low in ("auto", "none"):
-        return None if low == "none" else low
+    if low in (AUTO, "none"):
+        return None if low == "none" else AUTO
     try:
         gb = float(value)
     except ValueError:
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence length L")
     parser.add_argument("--batch", "--batch-size", dest="batch", type=int, default=1)
     parser.add_argument("--target-gb", type=float, default=None, help="peak memory target")
-    parser.add_argument("--host-gb", type=host_gb, default="auto",
+    parser.add_argument("--host-gb", type=host_gb, default=AUTO,
                         help="host memory an offloading plan may park (GB); auto (default): "
                         f"{HOST_FRACTION:.0%} of what is available now; none: no bound")
     parser.add_argument("--time-budget", type=float, default=None,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from segback.engine.options import AUTO
+
 # Of the memory available when the plan is made, what the step's parked arrays may take (the
 # rest: the process itself, the data loader, the optimizer's host copies and other programs).
 HOST_FRACTION = 0.85
@@ -29,7 +31,7 @@ def available_host_gb(meminfo: Path = Path("/proc/meminfo")) -> float | None:
 def host_budget_gb(host_gb: float | str | None) -> float | None:
     """The planner's host limit: `host_gb` as given, or for "auto" HOST_FRACTION of the
     memory available now; None: no limit."""
-    if host_gb != "auto":
+    if host_gb != AUTO:
         return None if host_gb is None else float(host_gb)
     found = available_host_gb()
     return None if found is None else HOST_FRACTION * found

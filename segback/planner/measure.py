@@ -45,7 +45,7 @@ MEASURE_BUDGET = 3.0
 PREDICTION_DOUBT = 0.20
 
 
-def timing_decides(times: Sequence[float], peaks_gb: Sequence[float], target_gb: float | None,
+def why_not_timed(times: Sequence[float], peaks_gb: Sequence[float], target_gb: float | None,
                    budget: float) -> str | None:
     """None if timing the candidates (fastest predicted first: relative step times and
     predicted peaks) can change the pick; else why not: the first alone fits the budget and

@@ -22,10 +22,10 @@ from segback.planner.context import RingCostModel
 from segback.planner.cost import Coefficients, CostModel, device_coefficients
 from segback.planner.geometry import DTYPES, FULL, GB, read_geometry, resolve_model
 from segback.planner.measure import (MEASURE_BUDGET, MEASURE_STEPS, measure_count,
-                                     measured_pick, timing_decides)
+                                     measured_pick, why_not_timed)
 from segback.planner.host import host_budget_gb
 from segback.planner.search import (best_by_count, choose, engine_label, most_kept,
-                                    parked_bytes, pick, tile_configs, within)
+                                    parks_within, pick, tile_configs, within)
 from segback.planner.space import SearchSpace
 
 
@@ -81,7 +81,7 @@ def plan_segments(
     `inputs.measured`.
     `measure="auto"` times a few on a GPU when there is a target, none otherwise, and none
     when only the first fits the budget with the model's largest error to spare under the
-    target (`measure.timing_decides`). Timing stops
+    target (`measure.why_not_timed`). Timing stops
     at `measure_budget` of the cost model's pick's predicted steps (skipped, with a note, when
     one candidate's warm-up and timed step would not fit); a measured plan over the target is
     not chosen: if none fits, the fastest untimed one whose prediction, scaled by the measured
@@ -107,7 +107,7 @@ def plan_segments(
         shard = shard_positions(seq_len, context_parallel, context_order).padded
     else:
         shard = seq_len
-    auto_measure = measure == AUTO  # then the planner may also decide timing decides nothing
+    auto_measure = measure == AUTO  # then the planner may also judge timing not worth it
     measure = measure_count(measure, target_gb)
     host_limit = host_budget_gb(host_gb)
     runtime = options or EngineOptions()
@@ -186,18 +186,19 @@ def plan_segments(
     for cost, *_ in options:
         for segs in best_by_count(cost).values():
             peak = cost.evaluate(segs)["peak"]
-            parked = parked_bytes(cost, segs, target_gb, space.boundaries_on_device)
-            if within(peak, target_gb) and (host_limit is None or parked <= host_limit * GB):
+            if within(peak, target_gb) and parks_within(cost, segs, target_gb,
+                                                        space.boundaries_on_device, host_limit):
                 candidates.append((cost.relative_step_time(segs), peak, cost, segs))
     if not candidates:  # nothing is predicted to fit: measure the planner's own choice
         return finish(*best)
     candidates.sort(key=lambda c: (c[0], c[1]))
     budget = measure_budget * best[0].relative_step_time(best[1])
-    note = timing_decides([c[0] for c in candidates], [c[1] / GB for c in candidates],
-                          target_gb, budget) if auto_measure else None
     if MEASURE_STEPS * candidates[0][0] > budget:
         note = (f"not timing candidates: one takes {MEASURE_STEPS} steps, more than the "
                 f"budget of {measure_budget:g} of the pick's predicted steps")
+    else:
+        note = why_not_timed([c[0] for c in candidates], [c[1] / GB for c in candidates],
+                             target_gb, budget) if auto_measure else None
     if note:
         print(f"segback plan: {note}", flush=True)
         cost, segs, ok, in_time, message = best

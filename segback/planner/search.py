@@ -82,8 +82,8 @@ def best_by_count(cost: CostModel) -> dict[int, list[tuple[int, int]]]:
     return {j: plan for j, (_, plan) in best.items()}
 
 
-def parked_bytes(cost: CostModel, segments: list[tuple[int, int]], target_gb: float | None,
-                 boundaries_on_device: int | str = AUTO) -> float:
+def plan_host_bytes(cost: CostModel, segments: list[tuple[int, int]], target_gb: float | None,
+                    boundaries_on_device: int | str = AUTO) -> float:
     """Host bytes of a plan with the boundaries it keeps on the device (AUTO: as many as the
     target leaves room for, as `plan._plan` keeps them); `cost` is left as it was."""
     if not cost.offload:
@@ -100,6 +100,16 @@ def parked_bytes(cost: CostModel, segments: list[tuple[int, int]], target_gb: fl
     return host
 
 
+def parks_within(cost: CostModel, segments: list[tuple[int, int]], target_gb: float | None,
+                 boundaries_on_device: int | str, host_gb: float | None) -> bool:
+    """Whether the plan's parked boundaries fit `host_gb` (None: no bound). Parking all of them
+    is checked first: when that fits, the boundaries kept on the device need not be found."""
+    if host_gb is None or not cost.offload:
+        return True
+    return (plan_host_bytes(cost, segments, target_gb, 0) <= host_gb * GB
+            or plan_host_bytes(cost, segments, target_gb, boundaries_on_device) <= host_gb * GB)
+
+
 def choose(
     cost: CostModel, target_gb: float | None, time_budget: float | None,
     host_gb: float | None = None, boundaries_on_device: int | str = AUTO,
@@ -113,10 +123,11 @@ def choose(
     plans = best_by_count(cost)
     among = ""
     if host_gb is not None and cost.offload:
-        host = {j: parked_bytes(cost, p, target_gb, boundaries_on_device)
-                for j, p in plans.items()}
-        fits = {j: p for j, p in plans.items() if host[j] <= host_gb * GB}
+        fits = {j: p for j, p in plans.items()
+                if parks_within(cost, p, target_gb, boundaries_on_device, host_gb)}
         if not fits:
+            host = {j: plan_host_bytes(cost, p, target_gb, boundaries_on_device)
+                    for j, p in plans.items()}
             j = min(host, key=lambda j: (host[j], j))
             return plans[j], False, True, (
                 f"no plan of this configuration fits {host_gb:.1f} GB of host memory: the "
