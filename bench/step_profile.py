@@ -28,12 +28,12 @@ import mlx.core as mx
 
 from segback.benchmark.provenance import append_rows, with_provenance
 from segback.engine import options as engine_options
+from segback.engine.memory import GB
 from segback.backend.ops_per_buffer import limit_ops_per_buffer
 from segback.planner.cli import SEARCHED
 from segback.planner.measure import parse_measure
 
 PHASES = ("forward", "head", "backward")
-GB = 2**30
 
 
 def _segments(value: str) -> str | int:
