@@ -306,6 +306,19 @@ def test_every_command_has_a_contract_and_a_mention():
     assert [c.strip() for c in listed.replace("\n", " ").split(",")] == list(COMMANDS)
 
 
+def test_every_command_prints_its_help():
+    """`segback <command> --help` formats for every command (a bare % in a help text is an
+    argparse format error that only --help shows)."""
+    import argparse
+
+    from segback.cli import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in COMMANDS:
+        text = sub.choices[name].format_help()
+        assert text.startswith("usage: ") and name in text, name
+
+
 def test_quick_start_is_the_two_make_targets():
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-gb", type=float, default=None, help="peak memory target")
     parser.add_argument("--host-gb", type=host_gb, default=AUTO,
                         help="host memory an offloading plan may park (GB); auto (default): "
-                        f"{HOST_FRACTION:.0%} of what is available now; none: no bound")
+                        f"{HOST_FRACTION:.0%}% of what is available now; none: no bound")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="max step time relative to a plain forward+backward (e.g. 1.5)")
     parser.add_argument("--calibrate", action="store_true",
