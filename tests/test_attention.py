@@ -197,3 +197,18 @@ def test_mlx_causal_head_groups_equal_one_call(H, Hkv, limit, heads):
     for g, w in zip(dgot, dwant):
         _assert_close(g, w)
     _assert_close(mlx_causal(q, k, v, scale), _reference(q, k, v, scale, None))
+
+
+def test_flash_variant_follows_the_rows_of_a_call():
+    """v2 where a call has FLASH_V2_MIN_ROWS query rows over batch and heads (e4b's untiled 8K,
+    Llama's 4096-token tiles), v1 below (e4b's 4096-token tiles, where v2 was slower)."""
+    from segback.engine.attention import FLASH_V2_MIN_ROWS, flash_variant
+
+    def q(B, H, L, D):
+        return mx.zeros((B, H, L, D), mx.bfloat16)
+
+    assert flash_variant(q(1, 8, 8192, 256)) == "v2"
+    assert flash_variant(q(1, 8, 4096, 512)) == "v1"
+    assert flash_variant(q(1, 32, 4096, 128)) == "v2"
+    assert flash_variant(q(2, 8, 4096, 256)) == "v2"
+    assert flash_variant(q(1, 1, FLASH_V2_MIN_ROWS - 1, 64)) == "v1"

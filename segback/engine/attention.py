@@ -75,6 +75,20 @@ def fused_kernel(queries: mx.array, keys: mx.array, window: int | None = None,
     return "composed"
 
 
+# segback's flash v2 (128 query rows a CTA of 8 warps, cp.async pipelined) is faster than v1
+# once a call has enough query rows over all heads to fill the GPU with its larger CTAs, slower
+# below: on one H100 (bench/RESULTS.md, runs h100-run25 and h100-run27) e4b's 4096-row tiles
+# over 8 heads (32768 rows) ran 7% slower a step, its untiled 8K step (65536) 9% faster, and
+# Llama-8B's heads (32 x 8K and more) 25-33% faster in attention alone.
+FLASH_V2_MIN_ROWS = 65536
+
+
+def flash_variant(queries: mx.array) -> str:
+    """The flash kernel variant for a call of these queries [B, H, Lq, D]."""
+    B, H, Lq, _ = queries.shape
+    return "v2" if B * H * Lq >= FLASH_V2_MIN_ROWS else "v1"
+
+
 # cuDNN failed to build its fused backward's graph for a call whose float32 dQ accumulator
 # (batch x heads x length x head dim) was 2^31 bytes; calls stay below that in head groups
 # (a guard: that call was also past MLX_FUSED_MAX_LEN, so which limit it hit is not known).
@@ -128,7 +142,8 @@ def fused_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float
     if kernel == "mlx":
         return mlx_causal(queries, keys, values, scale)
     if kernel == "flash":
-        return flash.flash_attention(queries, keys, values, scale, window, mask.blocks)
+        return flash.flash_attention(queries, keys, values, scale, window, mask.blocks,
+                                     variant=flash_variant(queries))
     return _MLX_SDPA(queries, keys, values, cache=None, scale=scale,
                      mask=mask.to_mlx(queries.shape[2], keys.shape[2]))
 
@@ -152,7 +167,8 @@ def core_forward(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
         if kernel == "mlx":
             return mlx_causal(queries, keys, values, scale), "mlx"
         if kernel == "flash":
-            return flash.flash_forward(queries, keys, values, scale, window, mask.blocks)
+            return flash.flash_forward(queries, keys, values, scale, window, mask.blocks,
+                                       variant=flash_variant(queries))
     window, chunk = attention_shape(B, H, L, keys.shape[2], window)
     return attention_forward(queries, keys, values, scale, window, chunk, mask.blocks), None
 
@@ -173,7 +189,8 @@ def core_backward(queries: mx.array, keys: mx.array, values: mx.array, saved: An
                                  [queries, keys, values], [do])
     else:
         dq, dk, dv = flash.flash_backward(queries, keys, values, None, saved, do, scale,
-                                          window, mask.blocks, delta=delta(0, L))
+                                          window, mask.blocks, delta=delta(0, L),
+                                          variant=flash_variant(queries))
     return Rows([dq]), dk, dv
 
 
